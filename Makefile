@@ -1,0 +1,32 @@
+# Set-up and everyday commands. Everything installs into $(VENV).
+# TORCH pins the CPU build used for tests and the demo on machines without a GPU
+# (a plain `pip install torch` would pull a multi-GB CUDA build); GPU users run
+# `pip install speccache` (or `make ... TORCH=torch`) and get their usual torch.
+VENV ?= .venv
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+DEMO_OUT ?= demo-out
+
+.PHONY: install test demo bench footprint clean soak
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider
+
+demo: install
+	$(PY) -m speccache.demo.run --out $(DEMO_OUT)
+
+bench: install
+	$(PY) benchmarks/run.py --out docs/benchmarks.md
+
+clean:
+	rm -rf $(DEMO_OUT) bench-out .pytest_cache

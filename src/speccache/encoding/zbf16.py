@@ -1,0 +1,167 @@
+"""``zbf16``: lossless bf16 with an entropy-coded exponent byte.
+
+A bf16 value is split into its high byte (sign and the top 7 exponent bits) and
+its low byte (the last exponent bit and 7 mantissa bits). On LLM activations the
+low byte is close to uniform (about 7.97 bits of entropy per byte), so it is
+stored as it is; the high byte carries about 3 bits and is compressed with
+zstandard, one frame per sample so that reading a sample decompresses only its
+own rows.
+
+zstd is tuned to act as a near-pure order-0 (Huffman) coder of the high plane:
+its default levels find many short chance matches in exponent bytes whose cost
+exceeds their gain (level 3 reaches about 82 % of the order-0 bound, level 1
+about 95 %). Matches of at least 7 bytes and a 1024-entry hash table, which only
+remembers recent positions, cut those out and reach about 99 % of the bound while
+encoding faster than level 1. Measured alternatives that do no better on the
+proxy data: column-major chunks (no gain: a 128 KiB zstd block still mixes
+hundreds of channels), xor or delta against the previous row (tokens are not
+similar enough at the exponent level; it adds entropy), higher levels (level 19 is
+98.8 % at ~1 MB/s encode).
+
+Parts:
+    ``lo``: uint8 ``[num_rows, *shape]``, the low bytes.
+    ``hi``: uint8 ``[total]``, each sample's high bytes as one zstd frame, or as
+    the raw bytes when zstd would not make them smaller. A chunk whose length
+    equals its sample's value count is raw: a kept frame is always shorter.
+    ``hi_offsets``: int64 ``[n + 1]``, byte offsets of the chunks in ``hi``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import numpy as np
+import torch
+import zstandard
+
+from speccache.encoding import register_encoding
+
+__all__ = ["Zbf16Encoding", "entropy_bound_bytes", "zbf16_plane_stats"]
+
+_ZSTD_PARAMS = zstandard.ZstdCompressionParameters(
+    strategy=zstandard.STRATEGY_FAST,
+    window_log=20,
+    hash_log=10,
+    chain_log=10,
+    search_log=1,
+    min_match=7,
+    target_length=0,
+)
+
+
+def _planes(rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """High and low byte planes of bf16 ``rows``, each shaped like ``rows``."""
+    bits = rows.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
+    return (bits >> 8).astype(np.uint8), bits.astype(np.uint8)
+
+
+class Zbf16Encoding:
+    """Lossless bf16: raw low bytes plus per-sample zstd frames of the high bytes."""
+
+    name = "zbf16"
+    lossless = True
+
+    def check_dtype(self, key: str, dtype: torch.dtype) -> None:
+        if dtype != torch.bfloat16:
+            raise ValueError(
+                f"key {key!r}: encoding 'zbf16' stores only bfloat16 values, got {dtype}; use 'raw' or 'fp8'"
+            )
+
+    def encode(self, rows: torch.Tensor, offsets: torch.Tensor) -> dict[str, torch.Tensor]:
+        if rows.dtype != torch.bfloat16:
+            raise ValueError(f"zbf16 encoding needs bfloat16 rows, got {rows.dtype}; use 'raw' or 'fp8'")
+        if rows.ndim == 0:
+            raise ValueError("zbf16 encoding needs rows of shape [num_rows, *shape], got a scalar")
+        hi, lo = _planes(rows)
+        hi = hi.reshape(-1)
+        width = math.prod(rows.shape[1:])
+        bounds = [int(o) * width for o in offsets.tolist()]
+        cctx = zstandard.ZstdCompressor(compression_params=_ZSTD_PARAMS)
+        chunks: list[bytes | np.ndarray] = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            plane = hi[a:b]
+            frame = cctx.compress(plane) if b > a else b""
+            chunks.append(frame if len(frame) < b - a else plane)
+        chunk_offsets = np.zeros(len(chunks) + 1, dtype=np.int64)
+        np.cumsum([len(c) for c in chunks], out=chunk_offsets[1:])
+        packed = np.empty(int(chunk_offsets[-1]), dtype=np.uint8)
+        for c, a, b in zip(chunks, chunk_offsets[:-1], chunk_offsets[1:]):
+            packed[a:b] = np.frombuffer(c, dtype=np.uint8)
+        return {
+            "lo": torch.from_numpy(lo),
+            "hi": torch.from_numpy(packed),
+            "hi_offsets": torch.from_numpy(chunk_offsets),
+        }
+
+    def decode(
+        self, parts: Mapping[str, torch.Tensor], offsets: torch.Tensor, start: int, end: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        lo_part = parts["lo"]
+        width = math.prod(lo_part.shape[1:])
+        row_bounds = offsets[start : end + 1].tolist()
+        chunk_bounds = parts["hi_offsets"][start : end + 1].tolist()
+        r0 = int(row_bounds[0])
+        lo = lo_part[r0 : int(row_bounds[-1])].numpy().reshape(-1)
+        hi_all = parts["hi"].numpy()
+        out = np.empty(lo.shape[0], dtype=np.uint16)
+        dctx = zstandard.ZstdDecompressor()
+        for i in range(end - start):
+            a = (int(row_bounds[i]) - r0) * width
+            b = (int(row_bounds[i + 1]) - r0) * width
+            chunk = hi_all[chunk_bounds[i] : chunk_bounds[i + 1]]
+            if chunk.shape[0] == b - a:
+                hi = chunk
+            else:
+                hi = np.frombuffer(dctx.decompress(chunk), dtype=np.uint8)
+                if hi.shape[0] != b - a:
+                    raise ValueError(
+                        f"zbf16: corrupt high-byte chunk of sample {start + i}: "
+                        f"{hi.shape[0]} bytes decoded, {b - a} expected"
+                    )
+            seg = out[a:b]
+            np.left_shift(hi, 8, out=seg, dtype=np.uint16)
+            np.bitwise_or(seg, lo[a:b], out=seg)
+        values = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
+        return values.reshape(int(row_bounds[-1]) - r0, *lo_part.shape[1:]).to(dtype)
+
+
+def entropy_bound_bytes(plane: np.ndarray) -> float:
+    """Order-0 empirical entropy of a uint8 ``plane`` in bytes: the floor for any order-0 coder of it."""
+    flat = np.asarray(plane, dtype=np.uint8).reshape(-1)
+    if flat.size == 0:
+        return 0.0
+    counts = np.bincount(flat, minlength=256)
+    p = counts[counts > 0] / flat.size
+    return float(-(p * np.log2(p)).sum() * flat.size / 8)
+
+
+def zbf16_plane_stats(rows: torch.Tensor, offsets: torch.Tensor | None = None) -> dict[str, float]:
+    """Footprint of bf16 ``rows`` under zbf16, for reports.
+
+    Args:
+        rows: bf16 ``[num_rows, *shape]``.
+        offsets: sample boundaries (one chunk per sample); default: all rows as one sample.
+
+    Returns:
+        Bytes ``raw`` (bf16), ``lo``, ``hi_compressed`` (``hi`` plus ``hi_offsets``),
+        ``hi_entropy_bound`` (order-0 bound of the whole high plane), ``total`` and
+        ``ratio`` = ``hi_entropy_bound / hi_compressed`` (1.0 would be a perfect
+        order-0 coder).
+    """
+    if offsets is None:
+        offsets = torch.tensor([0, rows.shape[0]], dtype=torch.int64)
+    parts = Zbf16Encoding().encode(rows, offsets)
+    hi_bytes = parts["hi"].numel() + parts["hi_offsets"].numel() * 8
+    bound = entropy_bound_bytes(_planes(rows)[0])
+    return {
+        "raw": float(rows.numel() * 2),
+        "lo": float(parts["lo"].numel()),
+        "hi_compressed": float(hi_bytes),
+        "hi_entropy_bound": bound,
+        "total": float(parts["lo"].numel() + hi_bytes),
+        "ratio": bound / hi_bytes,
+    }
+
+
+register_encoding(Zbf16Encoding())

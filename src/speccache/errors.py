@@ -1,0 +1,57 @@
+"""Exceptions speccache raises.
+
+Each subclasses the built-in a caller of the seed module would already catch
+(``ValueError``, ``RuntimeError``...), so ``except ValueError`` keeps working,
+while new code can catch the specific case. Messages name the file or argument
+at fault and what to do about it; docs/errors.md lists them.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "SpeccacheError",
+    "CacheFormatError",
+    "CacheCorruptError",
+    "CacheIncompleteError",
+    "CacheLockedError",
+    "ConfigMismatchError",
+    "DataError",
+    "ShardWriteError",
+    "CacheExistsError",
+]
+
+
+class SpeccacheError(Exception):
+    """Base class of every error speccache raises on purpose."""
+
+
+class CacheFormatError(SpeccacheError, ValueError):
+    """A cache directory, manifest or shard does not match the documented format."""
+
+
+class CacheCorruptError(CacheFormatError):
+    """A file's bytes differ from what the manifest or shard header recorded."""
+
+
+class CacheIncompleteError(SpeccacheError, ValueError):
+    """The cache is still being written or its writer was interrupted."""
+
+
+class CacheLockedError(SpeccacheError, RuntimeError):
+    """Another writer holds the cache directory's lock."""
+
+
+class ConfigMismatchError(SpeccacheError, ValueError):
+    """A resumed run's configuration differs from the one the cache was started with."""
+
+
+class DataError(SpeccacheError, ValueError):
+    """An input data file or row cannot be used."""
+
+
+class ShardWriteError(SpeccacheError, RuntimeError):
+    """Writing a shard failed (disk full, permissions...); the shard is named."""
+
+
+class CacheExistsError(SpeccacheError, FileExistsError):
+    """The output directory already holds a cache and ``--resume`` was not given."""

@@ -1,0 +1,141 @@
+"""A deterministic synthetic producer: the native format without a model.
+
+It writes what an EAGLE-3 cache holds (ragged ``input_ids``, ``loss_mask``,
+``hidden`` rows and a fixed ``sample_id``) from a seeded generator, through the
+same :class:`speccache.cache_writer.CacheWriter` lifecycle as the real
+producers. Tests, benchmarks and the crash harness use it where a model would
+only cost time; ``python -m speccache.synthetic OUT`` runs it as a process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from speccache.cache_writer import CacheWriter
+from speccache.dist import Comm
+from speccache.format import LENGTHS_KEY, KeySpec, Schema
+from speccache.write import OverlappedShardWriter, compute_shard_runs
+
+log = logging.getLogger(__name__)
+
+
+def synthetic_schema(hidden: int, dtype: torch.dtype = torch.bfloat16, encoding: str = "raw") -> Schema:
+    """The key schema the synthetic producer writes."""
+    specs = [
+        KeySpec("input_ids", torch.int32, (), ragged=True),
+        KeySpec("loss_mask", torch.bool, (), ragged=True),
+        KeySpec("hidden", dtype, (hidden,), ragged=True, encoding=encoding),
+        KeySpec("sample_id", torch.int64, ()),
+    ]
+    return {s.name: s for s in specs}
+
+
+class SyntheticSamples(Dataset):
+    """Sample ``i``: a length in ``[min_len, max_len]`` and its token ids, both derived from ``(seed, i)``."""
+
+    def __init__(self, num_samples: int, min_len: int, max_len: int, seed: int) -> None:
+        self.num_samples, self.min_len, self.max_len, self.seed = num_samples, min_len, max_len, seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        length = int(torch.randint(self.min_len, self.max_len + 1, (1,), generator=g))
+        return {"index": index, "input_ids": torch.randint(0, 32000, (length,), generator=g, dtype=torch.int32)}
+
+
+def collate_samples(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Keep the samples of a batch as a list (the synthetic compute step is per sample)."""
+    return {"items": items}
+
+
+def make_compute(hidden: int, dtype: torch.dtype, seed: int):  # noqa: ANN201 - a closure
+    """The synthetic 'forward': hidden rows seeded by the sample index, like a deterministic target."""
+
+    def compute(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        ids, masks, rows, sample_ids = [], [], [], []
+        for item in batch["items"]:
+            g = torch.Generator().manual_seed(seed * 7_919 + item["index"])
+            n = item["input_ids"].shape[0]
+            ids.append(item["input_ids"])
+            masks.append(torch.arange(n) >= n // 3)
+            rows.append(torch.randn(n, hidden, generator=g).to(dtype))
+            sample_ids.append(item["index"])
+        return {
+            "input_ids": torch.cat(ids),
+            "loss_mask": torch.cat(masks),
+            "hidden": torch.cat(rows),
+            "sample_id": torch.tensor(sample_ids, dtype=torch.int64),
+            LENGTHS_KEY: torch.tensor([t.shape[0] for t in ids], dtype=torch.int64),
+        }
+
+    return compute
+
+
+def write_synthetic_cache(
+    out: str,
+    *,
+    num_samples: int = 64,
+    shard_size: int = 8,
+    batch_size: int = 4,
+    hidden: int = 32,
+    min_len: int = 1,
+    max_len: int = 48,
+    seed: int = 0,
+    encoding: str = "raw",
+    resume: bool = False,
+    overlap: bool = True,
+    comm: Comm | None = None,
+) -> dict[str, Any]:
+    """Write a synthetic cache at ``out`` and return its sealed manifest."""
+    schema = synthetic_schema(hidden, encoding=encoding)
+    config = {"method": "synthetic", "seed": seed, "hidden": hidden, "min_len": min_len, "max_len": max_len, "batch_size": batch_size}
+    writer = CacheWriter(
+        out, cache_name="synthetic", schema=schema, shard_size=shard_size, num_samples=num_samples, config=config, resume=resume, comm=comm
+    )
+    todo = writer.begin()
+    loader = DataLoader(SyntheticSamples(num_samples, min_len, max_len, seed), batch_size=batch_size, collate_fn=collate_samples)
+    compute = make_compute(hidden, torch.bfloat16, seed)
+    ragged = [k for k, s in schema.items() if s.ragged]
+    try:
+        if overlap:
+            with OverlappedShardWriter(writer.shard_writer) as write_fn:
+                compute_shard_runs(loader, out, shard_size, todo, compute, write_fn, log, ragged_keys=ragged,
+                                   sync_max_steps=writer.comm.max_int if writer.comm.world_size > 1 else None)
+        else:
+            compute_shard_runs(loader, out, shard_size, todo, compute, writer.shard_writer, log, ragged_keys=ragged,
+                               sync_max_steps=writer.comm.max_int if writer.comm.world_size > 1 else None)
+    except BaseException:
+        writer.close()
+        raise
+    return writer.seal()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m speccache.synthetic OUT [--samples N] ...``: write a synthetic cache."""
+    p = argparse.ArgumentParser(prog="python -m speccache.synthetic", description=main.__doc__)
+    p.add_argument("out")
+    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--shard-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=48)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--encoding", default="raw")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--sync", action="store_true", help="write shards synchronously")
+    a = p.parse_args(argv)
+    write_synthetic_cache(
+        a.out, num_samples=a.samples, shard_size=a.shard_size, batch_size=a.batch_size, hidden=a.hidden, max_len=a.max_len,
+        seed=a.seed, encoding=a.encoding, resume=a.resume, overlap=not a.sync,
+    )
+
+
+if __name__ == "__main__":
+    main()
