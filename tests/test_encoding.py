@@ -154,7 +154,7 @@ def test_zbf16_decodes_only_requested_samples() -> None:
     garbled = {**parts, "hi": hi}
     got = enc.decode(garbled, offsets, 1, 4, torch.bfloat16)
     assert torch.equal(bits_of(got), bits_of(rows[30:75]))
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="corrupt high-byte chunk of sample 0"):
         enc.decode(garbled, offsets, 0, 1, torch.bfloat16)
 
 
@@ -226,7 +226,7 @@ def fp8_bound(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     output cast adds its own half ulp."""
     xf = x.float().reshape(x.shape[0], -1)
     amax = xf.abs().amax(dim=1, keepdim=True)
-    out_eps = 2.0 ** -(torch.finfo(out_dtype).nmant + 1)
+    out_eps = torch.finfo(out_dtype).eps / 2
     bound = xf.abs() * (2.0**-4) * (1 + 2 * out_eps) + amax * (2.0**-18 + out_eps * 2.0**-4)
     return bound.reshape(x.shape)
 
@@ -264,7 +264,7 @@ def test_fp8_parts_and_size() -> None:
 def test_fp8_zero_rows_tiny_rows_and_slices() -> None:
     rows = torch.zeros(6, 3, 4, dtype=torch.float32)
     rows[2] = torch.linspace(-1e-40, 1e-40, 12).reshape(3, 4)  # fp32 subnormals
-    rows[4] = torch.linspace(-3e38, 3e38, 12).reshape(3, 4)
+    rows[4] = torch.linspace(-1, 1, 12).reshape(3, 4) * 3e38
     lengths = [2, 0, 3, 1]
     enc = get_encoding("fp8")
     offsets = offsets_of(lengths)

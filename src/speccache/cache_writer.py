@@ -23,6 +23,7 @@ from typing import Any, Callable
 from speccache import __version__
 from speccache.dist import Comm, LocalComm
 from speccache.errors import CacheExistsError, ConfigMismatchError, SpeccacheError
+from speccache.faults import fault_point
 from speccache.format import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -115,6 +116,13 @@ class CacheWriter:
                 raise kind(message)
         return result
 
+    def preflight(self) -> None:
+        """Check the directory against this run without taking the lock or writing anything.
+
+        Lets a producer fail before loading a model; :meth:`begin` checks again under the lock.
+        """
+        self._on_all_ranks(self._check_directory if self.comm.rank == 0 else lambda: None)
+
     def begin(self, write_side_files: Callable[[], None] | None = None) -> list[int]:
         """Lock, check, prepare the directory; return the shard indices this rank must compute.
 
@@ -132,6 +140,7 @@ class CacheWriter:
                 if write_side_files is not None:
                     write_side_files()
                 write_manifest(self.cache_dir, self.manifest, FORMAT_VERSION)
+                fault_point("after_manifest_begin")
             except BaseException:
                 self._lock.release()
                 raise
@@ -207,7 +216,9 @@ class CacheWriter:
             complete=True,
         )
         if self.comm.rank == 0:
+            fault_point("before_seal")
             write_manifest(self.cache_dir, self.manifest, FORMAT_VERSION)
+            fault_point("after_seal")
         self.comm.barrier()
         self.close()
         return self.manifest

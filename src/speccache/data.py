@@ -287,6 +287,15 @@ def _encode(row: Any, tokenizer: Any, where: str) -> tuple[list[int], list[int]]
     return _chat_tokens(tokenizer, messages, where)
 
 
+def _truncate(
+    encoded: tuple[list[int], list[int]] | None, max_length: int, source_row: int
+) -> TokenizedSample | None:
+    if encoded is None or not any(encoded[1][:max_length]):
+        return None
+    ids, mask = encoded
+    return TokenizedSample(input_ids=ids[:max_length], loss_mask=mask[:max_length], source_row=source_row)
+
+
 def tokenize_row(
     row: dict, tokenizer: Any, max_length: int, *, where: str, source_row: int = -1
 ) -> TokenizedSample | None:
@@ -309,11 +318,7 @@ def tokenize_row(
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
-    encoded = _encode(row, tokenizer, where)
-    if encoded is None or not any(encoded[1][:max_length]):
-        return None
-    ids, mask = encoded
-    return TokenizedSample(input_ids=ids[:max_length], loss_mask=mask[:max_length], source_row=source_row)
+    return _truncate(_encode(row, tokenizer, where), max_length, source_row)
 
 
 def load_samples(
@@ -363,13 +368,13 @@ def load_samples(
             if len(stats.bad_row_messages) < _MAX_BAD_ROW_MESSAGES:
                 stats.bad_row_messages.append(str(e))
             continue
-        if encoded is None or not any(encoded[1][:max_length]):
+        sample = _truncate(encoded, max_length, row_no)
+        if sample is None:
             stats.rows_skipped_no_assistant += 1
             continue
-        ids, mask = encoded
-        if len(ids) > max_length:
+        if len(encoded[0]) > max_length:
             stats.rows_truncated += 1
-        samples.append(TokenizedSample(input_ids=ids[:max_length], loss_mask=mask[:max_length], source_row=row_no))
+        samples.append(sample)
         if limit is not None and len(samples) >= limit:
             break
     return samples, stats
@@ -400,8 +405,11 @@ def file_content_hash(path: str) -> str:
 def tokenizer_hash(tokenizer: Any) -> str:
     """Fingerprint a tokenizer, stable across processes and save/load round trips.
 
-    Covers the vocabulary (sorted by token), the special-token attributes, the
-    added tokens and the chat template.
+    Covers the vocabulary (sorted by token), the special tokens, the chat
+    template and, for a fast tokenizer, the backend's normalizer, pre-tokenizer
+    and model settings (BPE merges...), which decide how text splits into that
+    vocabulary. Padding and truncation settings, which transformers changes at
+    run time, are left out.
 
     Args:
         tokenizer: A Hugging Face tokenizer.
@@ -419,5 +427,10 @@ def tokenizer_hash(tokenizer: Any) -> str:
         "all_special_tokens": sorted(str(t) for t in tokenizer.all_special_tokens),
         "chat_template": template,
     }
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        pipeline = json.loads(backend.to_str())
+        model = {k: v for k, v in (pipeline.get("model") or {}).items() if k != "vocab"}
+        payload["backend"] = {"normalizer": pipeline.get("normalizer"), "pre_tokenizer": pipeline.get("pre_tokenizer"), "model": model}
     encoded = json.dumps(payload, sort_keys=True, ensure_ascii=True, separators=(",", ":"))
     return xxhash.xxh3_128_hexdigest(encoded.encode("utf-8"))

@@ -29,6 +29,7 @@ import xxhash
 
 from speccache.encoding import get_encoding, part_name
 from speccache.errors import CacheCorruptError, CacheFormatError
+from speccache.faults import fault_point
 
 FORMAT_VERSION = 1
 """Version of the native layout (key schema, offsets, shard table). See docs/format.md."""
@@ -224,7 +225,9 @@ def write_manifest(cache_dir: str, manifest: dict[str, Any], format_version: int
 
     def _write(tmp: str) -> None:
         with open(tmp, "w") as f:
-            f.write(text)
+            f.write(text[: len(text) // 2])
+            fault_point("mid_manifest_write", f)
+            f.write(text[len(text) // 2 :])
 
     return atomic_write(manifest_path(cache_dir), _write)
 
@@ -455,7 +458,9 @@ def write_safetensors(path: str, tensors: Mapping[str, torch.Tensor], metadata: 
     def _write(tmp: str) -> None:
         with open(tmp, "wb") as f:
             _write_hashed(f, hasher, prefix)
-            for view in views:
+            for i, view in enumerate(views):
+                if i == len(views) // 2:
+                    fault_point("mid_shard_write", f)
                 _write_hashed(f, hasher, view)
 
     atomic_write(path, _write)

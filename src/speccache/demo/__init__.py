@@ -82,11 +82,12 @@ _TINY_SHAPE = {
     "tie_word_embeddings": False,
 }
 
-ARCHITECTURES: dict[str, tuple[type, type, dict]] = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"use_sliding_window": False}),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"use_sliding_window": False}),
+# Class names, resolved on use so importing this module does not load every model family.
+ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"use_sliding_window": False}),
 }
 
 
@@ -169,7 +170,8 @@ def _read_marker(path: Path) -> dict | None:
 
 
 def _save_model(out: Path, architecture: str, seed: int, tokenizer: transformers.PreTrainedTokenizerFast) -> None:
-    config_cls, model_cls, extra = ARCHITECTURES[architecture]
+    config_name, model_name, extra = ARCHITECTURES[architecture]
+    config_cls, model_cls = getattr(transformers, config_name), getattr(transformers, model_name)
     end_id = tokenizer.convert_tokens_to_ids("<|end|>")
     config = config_cls(
         vocab_size=len(tokenizer),

@@ -16,7 +16,7 @@ import json
 import random
 from pathlib import Path
 
-__all__ = ["build_conversations", "main"]
+__all__ = ["build_conversations", "main", "write_files"]
 
 SEED = 20240917
 N_CONVERSATIONS = 240
@@ -982,10 +982,14 @@ def build_conversations(seed: int = SEED, n: int = N_CONVERSATIONS) -> list[list
 _SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
 
 
-def main() -> None:
-    """Write ``data/chat_sharegpt.jsonl`` and ``data/chat_openai.jsonl`` next to this file."""
-    out = Path(__file__).resolve().parent / "data"
-    out.mkdir(exist_ok=True)
+def write_files(out_dir: str | Path) -> None:
+    """Write ``chat_sharegpt.jsonl`` and ``chat_openai.jsonl`` (same conversations) into ``out_dir``.
+
+    Args:
+        out_dir: Destination directory, created if missing.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     conversations = build_conversations()
     with open(out / "chat_openai.jsonl", "w", encoding="ascii", newline="\n") as f:
         for i, messages in enumerate(conversations):
@@ -994,6 +998,11 @@ def main() -> None:
         for i, messages in enumerate(conversations):
             turns = [{"from": _SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in messages]
             f.write(json.dumps({"id": f"demo-{i:04d}", "conversations": turns}) + "\n")
+
+
+def main() -> None:
+    """Regenerate the bundled files in ``data/`` next to this module."""
+    write_files(Path(__file__).resolve().parent / "data")
 
 
 if __name__ == "__main__":

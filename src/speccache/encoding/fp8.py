@@ -4,7 +4,7 @@ Each row is divided by ``amax(|row|) / 448`` so that its largest magnitude maps
 onto e4m3fn's largest finite value, then rounded to e4m3fn. With 3 mantissa bits
 the rounding error of an element is at most ``2**-4`` of its magnitude (elements
 in e4m3's subnormal range err by at most ``amax * 2**-10 / 448``), so a row's
-error is bounded by ``amax * 2**-4`` and is about 2.5 % RMS on Gaussian data.
+error is bounded by ``amax * 2**-4``; RMS error is about 2 % on activation-like data.
 At 1 byte per value plus 4 bytes per row, a row of width 4096 costs 50.05 % of
 its bf16 size.
 
@@ -51,7 +51,7 @@ class Fp8Encoding:
             raise ValueError(f"fp8 encoding needs bfloat16/float16/float32 rows, got {rows.dtype}")
         if rows.ndim == 0:
             raise ValueError("fp8 encoding needs rows of shape [num_rows, *shape], got a scalar")
-        x = rows.reshape(rows.shape[0], -1)
+        x = rows.reshape(rows.shape[0], math.prod(rows.shape[1:]))
         # |x| and max are exact in the input dtype, which is cheaper than a float copy.
         if x.shape[1]:
             amax = x.abs().amax(dim=1).float()
@@ -105,17 +105,16 @@ def fp8_error(original: torch.Tensor, decoded: torch.Tensor) -> dict[str, float]
         count ``|x - y|`` against 1 so that any error shows).
     """
     x = original.double()
-    y = decoded.double()
-    diff = x - y
+    diff = x - decoded.double()
     norm = float(torch.linalg.vector_norm(x))
     err = float(torch.linalg.vector_norm(diff))
     rel_rms = err / norm if norm > 0 else (0.0 if err == 0 else float("inf"))
     if x.numel() == 0:
         return {"rel_rms": rel_rms, "max_rel_to_row_amax": 0.0}
-    amax = x.reshape(x.shape[0], -1).abs().amax(dim=1) if x.ndim else x.abs().reshape(1)
+    num_rows = x.shape[0] if x.ndim else 1
+    amax = x.reshape(num_rows, -1).abs().amax(dim=1)
     amax = torch.where(amax > 0, amax, torch.ones_like(amax))
-    row_err = diff.reshape(amax.shape[0], -1).abs().amax(dim=1)
+    row_err = diff.reshape(num_rows, -1).abs().amax(dim=1)
     return {"rel_rms": rel_rms, "max_rel_to_row_amax": float((row_err / amax).max())}
-
 
 register_encoding(Fp8Encoding())

@@ -1,0 +1,415 @@
+"""EAGLE-3: what the cache stores for a draft, how it is computed from a target, and how a trainer reads it.
+
+Per sample (ragged, no padding), row ``t`` of every feature is the target's
+state after reading tokens ``0..t``:
+
+* ``input_ids`` (int32) and ``loss_mask`` (bool, 1 where token ``t`` is an assistant token);
+* ``aux_hidden_states`` ``[T, 3H]``: outputs of the three aux decoder layers
+  (before the final norm), concatenated low/mid/high;
+* the supervision for token ``t + 1``, one of
+  ``hidden``: ``last_hidden_state`` ``[T, H]`` (the final-norm output; the
+  target's logits are ``lm_head(last_hidden_state)``, which :class:`TargetHead`
+  recomputes on the trainer's device from the LM-head rows in the side file),
+  ``probs``: ``target_probs`` ``[T, Vd]`` (softmax over the draft-vocabulary
+  columns of the logits), or ``topk:K``: ``topk_probs``/``topk_ids`` ``[T, K]``
+  (renormalised; the reader scatters them back to ``[T, Vd]``);
+* ``in_draft`` (bool), only when the draft vocabulary is smaller than the
+  target's: whether the target's argmax at ``t`` lies in the draft vocabulary.
+
+So the draft's prediction at position ``t`` is trained against row ``t`` of the
+supervision, and counts when token ``t + 1`` is an assistant token
+(``loss_mask[t + 1]``); ``position_mask[t]`` is ``loss_mask[t]`` and ``in_draft[t]``
+as stored, and a trainer shifts it exactly as it shifts ``loss_mask``.
+
+The side file ``eagle3_side.safetensors`` holds ``embed_tokens`` ``[V, H]`` (the
+draft initialises its embedding from it), ``lm_head`` ``[Vd, H]`` (the draft rows),
+``selected_token_ids`` (int64 ``[Vd]``, ascending), ``d2t`` (int64 ``[Vd]``,
+``target_id = draft_id + d2t[draft_id]`` as vLLM uses it) and ``t2d`` (bool ``[V]``,
+as SGLang uses it).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
+
+from speccache.format import LENGTHS_KEY, KeySpec, Schema, load_manifest_json, manifest_path
+from speccache.read import CacheDataset, PadCollator, Sample
+
+CACHE_NAME = "eagle3"
+SIDE_FILE = "eagle3_side.safetensors"
+
+__all__ = [
+    "CACHE_NAME",
+    "SIDE_FILE",
+    "Supervision",
+    "default_aux_layers",
+    "check_aux_layers",
+    "eagle3_schema",
+    "select_draft_vocab",
+    "vocab_mapping",
+    "Eagle3Target",
+    "Eagle3CacheDataset",
+    "build_eagle3_dataloader",
+    "TargetHead",
+]
+
+
+@dataclass(frozen=True)
+class Supervision:
+    """The supervision mode: ``hidden``, ``probs`` or ``topk`` with ``k``."""
+
+    mode: str
+    k: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> "Supervision":
+        """Parse ``hidden``, ``probs`` or ``topk:K``.
+
+        Raises:
+            ValueError: anything else; names the argument and the choices.
+        """
+        if text in ("hidden", "probs"):
+            return cls(text)
+        if text.startswith("topk:"):
+            try:
+                k = int(text[5:])
+            except ValueError:
+                k = 0
+            if k >= 1:
+                return cls("topk", k)
+        raise ValueError(f"--supervision {text!r} is not one of hidden, probs, topk:K (K >= 1)")
+
+    def __str__(self) -> str:
+        return f"topk:{self.k}" if self.mode == "topk" else self.mode
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low/mid/high layers ``[1, L//2 - 1, L - 4]`` for ``L`` decoder layers."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def check_aux_layers(layers: Sequence[int], num_layers: int) -> list[int]:
+    """Return ``layers`` if they are exactly three distinct ids in ``[0, num_layers)``.
+
+    Raises:
+        ValueError: names the argument, the offending ids and the valid range.
+    """
+    layers = list(layers)
+    if len(layers) != 3 or len(set(layers)) != 3 or any(not 0 <= i < num_layers for i in layers):
+        raise ValueError(
+            f"--aux-layers {layers} must be exactly 3 distinct decoder layer ids in [0, {num_layers - 1}] "
+            f"(the target has {num_layers} layers; the default is {default_aux_layers(num_layers)})"
+        )
+    return layers
+
+
+def eagle3_schema(
+    hidden_size: int,
+    dtype: torch.dtype,
+    supervision: Supervision,
+    draft_vocab_size: int,
+    full_vocab: bool,
+    encodings: Mapping[str, str] | None = None,
+) -> Schema:
+    """The key schema of an EAGLE-3 cache.
+
+    Args:
+        hidden_size: the target's hidden size ``H``.
+        dtype: storage dtype of float features.
+        supervision: what supervises the draft.
+        draft_vocab_size: ``Vd``.
+        full_vocab: whether the draft vocabulary is the whole target vocabulary (then no ``in_draft`` key).
+        encodings: key -> encoding for float features (default ``raw``).
+
+    Raises:
+        ValueError: an encoding names a key that is not a float feature of this schema, or cannot store ``dtype``.
+    """
+    enc = dict(encodings or {})
+    float_keys: dict[str, tuple[int, ...]] = {"aux_hidden_states": (3 * hidden_size,)}
+    if supervision.mode == "hidden":
+        float_keys["last_hidden_state"] = (hidden_size,)
+    elif supervision.mode == "probs":
+        float_keys["target_probs"] = (draft_vocab_size,)
+    else:
+        float_keys["topk_probs"] = (supervision.k,)
+    unknown = sorted(set(enc) - set(float_keys))
+    if unknown:
+        raise ValueError(f"--encode names {unknown}, which are not float features of this cache; choose from {sorted(float_keys)}")
+    specs = [KeySpec("input_ids", torch.int32, (), ragged=True), KeySpec("loss_mask", torch.bool, (), ragged=True)]
+    specs += [KeySpec(name, dtype, shape, ragged=True, encoding=enc.get(name, "raw")) for name, shape in float_keys.items()]
+    if supervision.mode == "topk":
+        specs.append(KeySpec("topk_ids", torch.int32, (supervision.k,), ragged=True))
+    if not full_vocab:
+        specs.append(KeySpec("in_draft", torch.bool, (), ragged=True))
+    return {s.name: s for s in specs}
+
+
+# ---------------------------------------------------------------------------
+# draft vocabulary
+
+
+def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int, special_ids: Sequence[int]) -> torch.Tensor:
+    """Choose the draft vocabulary: specials first, then by descending count (ties by id), then by ascending id.
+
+    Args:
+        counts: int64 ``[V]`` occurrences of each token among loss-masked tokens.
+        draft_vocab_size: ``Vd``.
+        special_ids: bos, eos, pad, unk ids (absent ones omitted).
+
+    Returns:
+        int64 ``[Vd]`` selected target ids, ascending (identity when ``Vd == V``).
+    """
+    vocab = counts.numel()
+    if not 1 <= draft_vocab_size <= vocab:
+        raise ValueError(f"--draft-vocab-size {draft_vocab_size} must be in [1, {vocab}] (the target vocabulary)")
+    order: list[int] = list(dict.fromkeys(i for i in special_ids if 0 <= i < vocab))
+    ids = torch.arange(vocab)
+    # A stable sort on -count keeps ascending ids among equal counts; zero counts come last, in id order.
+    by_count = ids[torch.sort(-counts, stable=True).indices]
+    chosen = set(order)
+    for i in by_count.tolist():
+        if len(order) >= draft_vocab_size:
+            break
+        if i not in chosen:
+            order.append(i)
+            chosen.add(i)
+    return torch.tensor(sorted(order[:draft_vocab_size]), dtype=torch.int64)
+
+
+def vocab_mapping(selected: torch.Tensor, vocab_size: int) -> dict[str, torch.Tensor]:
+    """``selected_token_ids``, ``d2t`` (offsets, vLLM) and ``t2d`` (mask, SGLang) of a draft vocabulary."""
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[selected] = True
+    return {"selected_token_ids": selected, "d2t": selected - torch.arange(selected.numel()), "t2d": t2d}
+
+
+# ---------------------------------------------------------------------------
+# the target side
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layer list of a Hugging Face causal LM.
+
+    Raises:
+        ValueError: the architecture does not expose one.
+    """
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__}: cannot find its decoder layers (expected model.get_decoder().layers)")
+    return layers
+
+
+class Eagle3Target:
+    """A frozen target that turns padded token batches into EAGLE-3 features.
+
+    Args:
+        model: a Hugging Face causal LM (eval mode is set here).
+        aux_layers: the three aux decoder layer ids.
+        supervision: what to compute.
+        selected: the draft vocabulary (ascending target ids).
+        dtype: storage dtype of float features.
+    """
+
+    def __init__(self, model: nn.Module, aux_layers: Sequence[int], supervision: Supervision, selected: torch.Tensor, dtype: torch.dtype) -> None:
+        self.model = model.eval()
+        self.layers = decoder_layers(model)
+        self.aux_layers = check_aux_layers(aux_layers, len(self.layers))
+        self.supervision = supervision
+        self.dtype = dtype
+        self.device = next(model.parameters()).device
+        self.selected = selected.to(self.device)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.full_vocab = selected.numel() == self.vocab_size
+        self.lm_head = model.get_output_embeddings()
+
+    @torch.no_grad()
+    def forward_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Padded features ``[B, T, ...]`` of one batch, in the model's dtype: aux, last hidden, logits-derived."""
+        captured: dict[int, torch.Tensor] = {}
+
+        def hook(index: int):  # noqa: ANN202 - a hook factory
+            def capture(_module: nn.Module, _args: Any, output: Any) -> None:
+                captured[index] = output[0] if isinstance(output, tuple) else output
+
+            return capture
+
+        handles = [self.layers[i].register_forward_hook(hook(i)) for i in self.aux_layers]
+        try:
+            out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        last = out.last_hidden_state
+        feats = {"aux_hidden_states": torch.cat([captured[i] for i in self.aux_layers], dim=-1), "last_hidden_state": last}
+        if self.supervision.mode != "hidden" or not self.full_vocab:
+            logits = self.lm_head(last).float()
+            draft_logits = logits[..., self.selected]
+            if not self.full_vocab:
+                in_draft = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+                in_draft[self.selected] = True
+                feats["in_draft"] = in_draft[logits.argmax(-1)]
+            if self.supervision.mode != "hidden":
+                probs = torch.softmax(draft_logits, dim=-1)
+                if self.supervision.mode == "probs":
+                    feats["target_probs"] = probs
+                else:
+                    values, ids = probs.topk(self.supervision.k, dim=-1)
+                    feats["topk_probs"] = values / values.sum(-1, keepdim=True)
+                    feats["topk_ids"] = ids.to(torch.int32)
+        return feats
+
+    def compute_batch(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``compute_batch`` for the write loops: a padded token batch in, ragged cache rows out."""
+        input_ids = batch["input_ids"].to(self.device)
+        attention_mask = batch["attention_mask"].to(self.device)
+        feats = self.forward_features(input_ids, attention_mask)
+        real = attention_mask.bool()
+        out: dict[str, torch.Tensor] = {
+            "input_ids": batch["input_ids"][batch["attention_mask"].bool()].to(torch.int32),
+            "loss_mask": batch["loss_mask"][batch["attention_mask"].bool()].bool(),
+            LENGTHS_KEY: batch["attention_mask"].sum(1).to(torch.int64),
+        }
+        if self.supervision.mode != "hidden":
+            feats.pop("last_hidden_state")
+        for name, value in feats.items():
+            rows = value[real]
+            out[name] = (rows.to(self.dtype) if rows.is_floating_point() else rows).cpu()
+        return out
+
+
+# ---------------------------------------------------------------------------
+# the trainer side
+
+
+def _side_path(cache_dir: str) -> str:
+    return os.path.join(cache_dir, SIDE_FILE)
+
+
+class Eagle3CacheDataset(CacheDataset):
+    """An EAGLE-3 cache as a dataset of samples ready for a trainer.
+
+    Each sample has ``input_ids``, ``loss_mask``, ``aux_hidden_states`` and either
+    ``last_hidden_state`` (``hidden``) or ``target_probs`` ``[T, Vd]`` (``probs``,
+    ``topk``, scattered back), plus ``position_mask`` when the cache stores
+    probabilities. Encoded keys (fp8, zbf16) come back decoded.
+
+    Args:
+        cache_dir: the cache directory.
+        verify: check each shard's checksum when first opened.
+        **kwargs: passed to :class:`speccache.read.CacheDataset`.
+    """
+
+    def __init__(self, cache_dir: str, verify: bool = False, **kwargs: Any) -> None:
+        super().__init__(cache_dir, cache_name=CACHE_NAME, verify=verify, **kwargs)
+        config = self.manifest.get("config", {})
+        self.supervision = Supervision.parse(config.get("supervision", "hidden"))
+        self.draft_vocab_size = int(config["draft_vocab_size"])
+
+    def _finish(self, sample: Sample) -> Sample:
+        if self.supervision.mode == "topk":
+            values, ids = sample.pop("topk_probs"), sample.pop("topk_ids")
+            probs = torch.zeros((values.shape[0], self.draft_vocab_size), dtype=values.dtype)
+            sample["target_probs"] = probs.scatter_(1, ids.long(), values)
+        if self.supervision.mode != "hidden":
+            in_draft = sample.pop("in_draft", None)
+            sample["position_mask"] = sample["loss_mask"] if in_draft is None else sample["loss_mask"] & in_draft
+        return sample
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
+        return [self._finish(s) for s in super().__getitems__(indices)]
+
+    def __getitem__(self, index: int) -> Sample:
+        return self._finish(super().__getitem__(index))
+
+    def collator(self, pin_memory: bool | None = None) -> PadCollator:
+        """The padding collator of this cache's samples (adds ``attention_mask`` and ``lengths``)."""
+        ragged = {k for k, s in self.schema.items() if s.ragged} | {"target_probs", "position_mask"}
+        return PadCollator(ragged - {"topk_probs", "topk_ids"}, pin_memory=pin_memory)
+
+
+def build_eagle3_dataloader(
+    cache_dir: str,
+    batch_size: int,
+    shuffle: bool,
+    *,
+    num_workers: int = 0,
+    distributed: bool = False,
+    seed: int = 0,
+    sampler: Sampler | None = None,
+    verify: bool = False,
+    **loader_kwargs: Any,
+) -> DataLoader:
+    """A DataLoader of padded EAGLE-3 batches (with ``attention_mask`` and ``lengths``).
+
+    Args:
+        cache_dir: the cache directory.
+        batch_size: samples per batch.
+        shuffle: shuffle each epoch (call ``loader.sampler.set_epoch(e)`` when it has one).
+        num_workers: DataLoader workers.
+        distributed: give each rank its share (``torch.distributed`` must be initialised).
+        seed: shuffling seed.
+        sampler: a sampler to use instead of the default.
+        verify: check shard checksums when first opened.
+        **loader_kwargs: passed to ``DataLoader``.
+    """
+    dataset = Eagle3CacheDataset(cache_dir, verify=verify)
+    if sampler is None:
+        if distributed:
+            sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed)
+        elif shuffle:
+            sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
+    loader_kwargs.setdefault("pin_memory", torch.cuda.is_available())
+    return DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=dataset.collator(), **loader_kwargs
+    )
+
+
+class TargetHead(nn.Module):
+    """Turns cached ``last_hidden_state`` into draft-vocabulary target probabilities on the trainer's device.
+
+    Built from the cache's side file (the LM-head rows of the draft vocabulary),
+    so the trainer never loads the target.
+
+    Args:
+        lm_head_rows: ``[Vd, H]`` LM-head rows of the draft vocabulary.
+        selected_token_ids: ``[Vd]`` their target ids.
+    """
+
+    def __init__(self, lm_head_rows: torch.Tensor, selected_token_ids: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", lm_head_rows.detach().clone())
+        self.register_buffer("selected_token_ids", selected_token_ids.detach().clone())
+
+    @classmethod
+    def from_cache(cls, cache_dir: str, device: torch.device | str | None = None) -> "TargetHead":
+        """Build the head from a cache directory's side file."""
+        from speccache.format import ShardFile
+
+        side = ShardFile(_side_path(cache_dir))
+        head = cls(side.tensor("lm_head").clone(), side.tensor("selected_token_ids").clone())
+        return head.to(device) if device is not None else head
+
+    def forward(
+        self, last_hidden_state: torch.Tensor, loss_mask: torch.Tensor, in_draft: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(target_probs [..., Vd] fp32, position_mask [...] bool)``.
+
+        ``position_mask`` is ``loss_mask`` and (when the cache stores it) ``in_draft``,
+        i.e. the positions whose target argmax the draft vocabulary can express.
+        """
+        logits = last_hidden_state.to(self.weight.dtype) @ self.weight.T
+        probs = torch.softmax(logits.float(), dim=-1)
+        mask = loss_mask.bool() if in_draft is None else loss_mask.bool() & in_draft.bool()
+        return probs, mask
+
+
+def cache_config(cache_dir: str) -> dict[str, Any]:
+    """The producer configuration recorded in an EAGLE-3 cache's manifest."""
+    return dict(load_manifest_json(manifest_path(cache_dir)).get("config", {}))

@@ -1,0 +1,325 @@
+"""Tests of speccache.data: row forms, loss masks, truncation, skipping and errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import xxhash
+
+from speccache.data import (
+    DataStats,
+    TokenizedSample,
+    file_content_hash,
+    iter_rows,
+    load_samples,
+    tokenize_row,
+    tokenizer_hash,
+)
+from speccache.demo import CHAT_TEMPLATE, build_demo_tokenizer, demo_data_path
+from speccache.errors import DataError
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "2 + 2 = 4."},
+    {"role": "user", "content": "And 3 + 3?"},
+    {"role": "assistant", "content": "3 + 3 = 6."},
+]
+SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
+
+
+def openai_row(messages=CONVERSATION):
+    return {"messages": messages}
+
+
+def sharegpt_row(messages=CONVERSATION):
+    return {"conversations": [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in messages]}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_demo_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def prefix_tok():
+    """The demo tokenizer with the generation markers removed, so the prefix-difference path runs."""
+    tokenizer = build_demo_tokenizer()
+    tokenizer.chat_template = re.sub(r"\{% (end)?generation %\}", "", CHAT_TEMPLATE)
+    assert "{% generation" not in tokenizer.chat_template
+    return tokenizer
+
+
+def write_jsonl(path, lines):
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return str(path)
+
+
+def masked_runs(tokenizer, sample):
+    """Decoded text of each maximal run of masked tokens."""
+    runs, current = [], []
+    for token, m in zip(sample.input_ids, sample.loss_mask):
+        if m:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return [tokenizer.decode(run, skip_special_tokens=False) for run in runs]
+
+
+def test_both_forms_of_demo_data_give_identical_samples(tok):
+    openai, openai_stats = load_samples(demo_data_path("openai"), tok, 4096)
+    sharegpt, sharegpt_stats = load_samples(demo_data_path("sharegpt"), tok, 4096)
+    assert len(openai) >= 200
+    assert openai == sharegpt
+    assert openai_stats == sharegpt_stats == DataStats(rows_read=len(openai))
+    assert [s.source_row for s in openai] == list(range(1, len(openai) + 1))
+
+
+def test_mask_covers_assistant_content_plus_end_marker(tok):
+    samples, _ = load_samples(demo_data_path("openai"), tok, 4096)
+    for (_, row), sample in zip(iter_rows(demo_data_path("openai")), samples):
+        assistant = [m["content"] + "<|end|>" for m in row["messages"] if m["role"] == "assistant"]
+        assert masked_runs(tok, sample) == assistant
+        rendered = tok.apply_chat_template(row["messages"], tokenize=False)
+        assert tok.decode(sample.input_ids, skip_special_tokens=False) == rendered
+        assert len(sample.input_ids) == len(sample.loss_mask)
+
+
+def test_prefix_difference_path_matches_generation_marker_path(tok, prefix_tok):
+    path = demo_data_path("sharegpt")
+    assert load_samples(path, prefix_tok, 4096, limit=80) == load_samples(path, tok, 4096, limit=80)
+
+
+def test_template_that_is_not_prefix_stable_is_an_error_even_when_skipping(tmp_path):
+    tokenizer = build_demo_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE.replace(
+        "{%- if add_generation_prompt -%}<|assistant|>", "{%- if add_generation_prompt -%}<|assistant|>Answer:"
+    ).replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    path = write_jsonl(tmp_path / "d.jsonl", [openai_row()])
+    with pytest.raises(DataError, match=r"d\.jsonl:1: the chat template is not prefix-stable.*generation"):
+        load_samples(path, tokenizer, 256, skip_bad_rows=True)
+
+
+def test_tokenizer_without_chat_template_is_an_error_even_when_skipping(tmp_path):
+    tokenizer = build_demo_tokenizer()
+    tokenizer.chat_template = None
+    path = write_jsonl(tmp_path / "d.jsonl", [openai_row()])
+    with pytest.raises(DataError, match=r"d\.jsonl:1: chat rows need a tokenizer with a chat template.*pre-tokenized rows"):
+        load_samples(path, tokenizer, 256, skip_bad_rows=True)
+
+
+def test_template_rejecting_a_row_is_a_bad_row(tmp_path, tok):
+    tokenizer = build_demo_tokenizer()
+    tokenizer.chat_template = "{% if messages | length > 2 %}{{ raise_exception('two messages at most') }}{% endif %}" + (
+        CHAT_TEMPLATE
+    )
+    path = write_jsonl(tmp_path / "d.jsonl", [openai_row(), openai_row(CONVERSATION[1:3])])
+    with pytest.raises(DataError, match=r"d\.jsonl:1: the chat template rejected .*two messages at most"):
+        load_samples(path, tokenizer, 256)
+    samples, stats = load_samples(path, tokenizer, 256, skip_bad_rows=True)
+    assert [s.source_row for s in samples] == [2]
+    assert stats.rows_skipped_bad == 1
+
+
+def test_sharegpt_roles_map_to_openai_roles(tok):
+    a = tokenize_row(openai_row(), tok, 256, where="x")
+    b = tokenize_row(sharegpt_row(), tok, 256, where="x")
+    c = tokenize_row(
+        {"conversations": [{"from": m["role"], "value": m["content"]} for m in CONVERSATION]}, tok, 256, where="x"
+    )
+    assert a == b == c
+    assert masked_runs(tok, a) == ["2 + 2 = 4.<|end|>", "3 + 3 = 6.<|end|>"]
+
+
+def test_tokenize_row_passes_source_row_and_ignores_extra_keys(tok):
+    sample = tokenize_row({"id": "q1", **openai_row()}, tok, 256, where="x", source_row=7)
+    assert sample is not None and sample.source_row == 7
+    assert sample == tokenize_row(openai_row(), tok, 256, where="x", source_row=7)
+
+
+def test_truncation_keeps_the_first_tokens_and_counts(tmp_path, tok):
+    full = tokenize_row(openai_row(), tok, 4096, where="x")
+    second_turn = full.loss_mask.index(1) + full.loss_mask[full.loss_mask.index(1) :].index(0)
+    cut = second_turn + 2
+    path = write_jsonl(tmp_path / "d.jsonl", [openai_row()])
+    samples, stats = load_samples(path, tok, cut)
+    assert samples == [TokenizedSample(full.input_ids[:cut], full.loss_mask[:cut], 1)]
+    assert stats.rows_truncated == 1
+    samples, stats = load_samples(path, tok, len(full.input_ids))
+    assert samples[0].input_ids == full.input_ids and stats.rows_truncated == 0
+
+
+def test_row_whose_assistant_tokens_are_all_truncated_is_skipped(tmp_path, tok):
+    full = tokenize_row(openai_row(), tok, 4096, where="x")
+    first_assistant = full.loss_mask.index(1)
+    path = write_jsonl(tmp_path / "d.jsonl", [openai_row()])
+    samples, stats = load_samples(path, tok, first_assistant)
+    assert samples == []
+    assert stats == DataStats(rows_read=1, rows_skipped_no_assistant=1)
+    assert tokenize_row(openai_row(), tok, first_assistant, where="x") is None
+
+
+def test_rows_without_assistant_are_skipped_and_counted(tmp_path, tok):
+    no_assistant = openai_row([{"role": "system", "content": "Hi."}, {"role": "user", "content": "Hello?"}])
+    path = write_jsonl(tmp_path / "d.jsonl", [no_assistant, sharegpt_row(), "", "   ", no_assistant])
+    samples, stats = load_samples(path, tok, 256)
+    assert [s.source_row for s in samples] == [2]
+    assert stats == DataStats(rows_read=3, rows_skipped_no_assistant=2)
+
+
+def test_file_with_no_usable_row_gives_empty_list(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [openai_row(CONVERSATION[:2])])
+    assert load_samples(path, tok, 256) == ([], DataStats(rows_read=1, rows_skipped_no_assistant=1))
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("\n\n")
+    assert load_samples(str(empty), tok, 256) == ([], DataStats())
+
+
+BAD_ROWS = [
+    ('{"messages": [', "invalid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ({"text": "hello"}, "exactly one of 'conversations'.*found none"),
+    ({**openai_row(), **sharegpt_row()}, "found 'conversations', 'messages'"),
+    ({"messages": []}, "non-empty list"),
+    ({"messages": ["hi"]}, r"messages\[0\] must be an object"),
+    ({"messages": [{"role": "bot", "content": "x"}]}, r"messages\[0\]\.role must be one of system, user, assistant"),
+    ({"conversations": [{"from": "human", "value": 3}]}, r"conversations\[0\]\.value must be a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "flatten"),
+    ({"messages": [{"role": "assistant", "content": "x"}]}, "starts with an assistant message"),
+    ({"input_ids": [1, 2, 3], "loss_mask": [0, 1]}, "'loss_mask' has 2 entries but 'input_ids' has 3"),
+    ({"input_ids": [1, 2, 3]}, "needs 'loss_mask'"),
+    ({"input_ids": [1, 2, 3], "loss_mask": [0, 2, 1]}, "0/1"),
+    ({"input_ids": [1, True, 3], "loss_mask": [0, 1, 1]}, "integer ids"),
+    ({"input_ids": [1, 99999, 3], "loss_mask": [0, 1, 1]}, r"in \[0, 1024\)"),
+    ({"input_ids": [], "loss_mask": []}, "non-empty"),
+]
+
+
+@pytest.mark.parametrize(("bad", "pattern"), BAD_ROWS)
+def test_malformed_row_raises_with_file_and_line(tmp_path, tok, bad, pattern):
+    path = write_jsonl(tmp_path / "d.jsonl", [openai_row(), "", bad, openai_row()])
+    with pytest.raises(DataError, match=re.escape(f"{path}:3: ") + ".*" + pattern):
+        load_samples(path, tok, 256)
+
+
+def test_malformed_row_in_json_file_names_the_list_index(tmp_path, tok):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([openai_row(), {"messages": "nope"}]))
+    with pytest.raises(DataError, match=re.escape(f"{path}[1]: 'messages' must be a non-empty list")):
+        load_samples(str(path), tok, 256)
+
+
+def test_skip_bad_rows_counts_and_keeps_first_messages(tmp_path, tok):
+    lines = [openai_row()] + [bad for bad, _ in BAD_ROWS] + [sharegpt_row()]
+    path = write_jsonl(tmp_path / "d.jsonl", lines)
+    samples, stats = load_samples(path, tok, 256, skip_bad_rows=True)
+    assert [s.source_row for s in samples] == [1, len(lines)]
+    assert stats.rows_read == len(lines)
+    assert stats.rows_skipped_bad == len(BAD_ROWS)
+    assert len(stats.bad_row_messages) == 5
+    assert stats.bad_row_messages[0].startswith(f"{path}:2: invalid JSON")
+    assert stats.bad_row_messages[4].startswith(f"{path}:6: ")
+
+
+def test_json_file_gives_same_samples_as_jsonl(tmp_path, tok):
+    rows = [openai_row(), sharegpt_row(CONVERSATION[1:3])]
+    json_path = tmp_path / "d.json"
+    json_path.write_text(json.dumps(rows, indent=2))
+    from_json, _ = load_samples(str(json_path), tok, 256)
+    from_jsonl, _ = load_samples(write_jsonl(tmp_path / "d.jsonl", rows), tok, 256)
+    assert [s.source_row for s in from_json] == [0, 1]
+    assert [s.input_ids for s in from_json] == [s.input_ids for s in from_jsonl]
+    assert [s.loss_mask for s in from_json] == [s.loss_mask for s in from_jsonl]
+
+
+def test_pretokenized_rows_are_used_as_given(tmp_path, tok):
+    rows = [
+        {"input_ids": [1, 10, 11, 12, 13], "loss_mask": [0, 0, 1, 1, 0]},
+        {"input_ids": [1, 10, 11], "loss_mask": [0, 0, 0]},
+        {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 0, 1]},
+    ]
+    samples, stats = load_samples(write_jsonl(tmp_path / "d.jsonl", rows), tok, 3)
+    assert samples == [TokenizedSample([1, 10, 11], [0, 0, 1], 1)]
+    assert stats == DataStats(rows_read=3, rows_skipped_no_assistant=2, rows_truncated=1)
+
+
+def test_limit_keeps_first_usable_rows_and_stops_reading(tmp_path, tok):
+    no_assistant = openai_row(CONVERSATION[:2])
+    lines = [no_assistant, openai_row(), no_assistant, sharegpt_row(), openai_row(), "not json"]
+    path = write_jsonl(tmp_path / "d.jsonl", lines)
+    samples, stats = load_samples(path, tok, 256, limit=2)
+    assert [s.source_row for s in samples] == [2, 4]
+    assert stats.rows_read == 4
+    assert load_samples(path, tok, 256, limit=0) == ([], DataStats())
+    with pytest.raises(ValueError, match="limit"):
+        load_samples(path, tok, 256, limit=-1)
+    with pytest.raises(ValueError, match="max_length"):
+        load_samples(path, tok, 0)
+
+
+def test_iter_rows(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", ["", {"a": 1}, "  ", {"b": 2}])
+    assert list(iter_rows(path)) == [(2, {"a": 1}), (4, {"b": 2})]
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + b'{"a": 1}\n')
+    assert list(iter_rows(str(bom))) == [(1, {"a": 1})]
+    json_path = tmp_path / "d.json"
+    json_path.write_text('[{"a": 1}, {"b": 2}]')
+    assert list(iter_rows(str(json_path))) == [(0, {"a": 1}), (1, {"b": 2})]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "pattern"),
+    [
+        ("missing.jsonl", None, "data file not found"),
+        ("d.csv", "a,b\n", "unsupported data file extension '.csv'.*use .jsonl"),
+        ("d.jsonl", '{"a": 1}\n{"a": \n', r"d\.jsonl:2: invalid JSON"),
+        ("d.jsonl", "[1]\n", r"d\.jsonl:1: expected a JSON object"),
+        ("d.json", '[{"a": 1},', r"d\.json:1: invalid JSON"),
+        ("d.json", '{"a": 1}', "must hold a JSON list"),
+        ("d.json", b"\xff\xfe[]", "not valid UTF-8"),
+    ],
+)
+def test_iter_rows_errors(tmp_path, name, content, pattern):
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(DataError, match=pattern):
+        list(iter_rows(str(path)))
+
+
+def test_unparsable_json_file_is_an_error_even_when_skipping(tmp_path, tok):
+    path = tmp_path / "d.json"
+    path.write_text("[{")
+    with pytest.raises(DataError, match="invalid JSON"):
+        load_samples(str(path), tok, 256, skip_bad_rows=True)
+
+
+def test_file_content_hash_streams_and_matches_one_shot(tmp_path):
+    data = os.urandom((1 << 20) * 2 + 12345)
+    path = tmp_path / "blob.jsonl"
+    path.write_bytes(data)
+    assert file_content_hash(str(path)) == xxhash.xxh3_128_hexdigest(data)
+    path.write_bytes(data[:-1])
+    assert file_content_hash(str(path)) != xxhash.xxh3_128_hexdigest(data)
+    with pytest.raises(DataError, match="not found"):
+        file_content_hash(str(tmp_path / "nope.jsonl"))
+
+
+def test_tokenizer_hash_is_stable_and_sensitive(tok):
+    again = build_demo_tokenizer()
+    assert tokenizer_hash(again) == tokenizer_hash(tok)
+    assert re.fullmatch(r"[0-9a-f]{32}", tokenizer_hash(tok))
+    again.chat_template = CHAT_TEMPLATE + " "
+    assert tokenizer_hash(again) != tokenizer_hash(tok)
+    other = build_demo_tokenizer()
+    other.add_tokens(["<|extra|>"])
+    assert tokenizer_hash(other) != tokenizer_hash(tok)
