@@ -110,15 +110,15 @@ def test_tokenizer_without_chat_template_is_an_error_even_when_skipping(tmp_path
     tokenizer = build_demo_tokenizer()
     tokenizer.chat_template = None
     path = write_jsonl(tmp_path / "d.jsonl", [openai_row()])
-    with pytest.raises(DataError, match=r"d\.jsonl:1: chat rows need a tokenizer with a chat template.*pre-tokenized rows"):
+    pattern = r"d\.jsonl:1: chat rows need a tokenizer with a chat template.*pre-tokenized rows"
+    with pytest.raises(DataError, match=pattern):
         load_samples(path, tokenizer, 256, skip_bad_rows=True)
 
 
-def test_template_rejecting_a_row_is_a_bad_row(tmp_path, tok):
+def test_template_rejecting_a_row_is_a_bad_row(tmp_path):
     tokenizer = build_demo_tokenizer()
-    tokenizer.chat_template = "{% if messages | length > 2 %}{{ raise_exception('two messages at most') }}{% endif %}" + (
-        CHAT_TEMPLATE
-    )
+    guard = "{% if messages | length > 2 %}{{ raise_exception('two messages at most') }}{% endif %}"
+    tokenizer.chat_template = guard + CHAT_TEMPLATE
     path = write_jsonl(tmp_path / "d.jsonl", [openai_row(), openai_row(CONVERSATION[1:3])])
     with pytest.raises(DataError, match=r"d\.jsonl:1: the chat template rejected .*two messages at most"):
         load_samples(path, tokenizer, 256)

@@ -48,13 +48,17 @@ def test_tokenizer_shape(tok):
 
 
 def test_tokenizer_is_deterministic_across_processes(tok):
-    code = "from speccache.demo import build_demo_tokenizer as b; from speccache.data import tokenizer_hash as h; print(h(b()))"
+    code = (
+        "from speccache.demo import build_demo_tokenizer as b\n"
+        "from speccache.data import tokenizer_hash as h\n"
+        "print(h(b()))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == tokenizer_hash(tok) == tokenizer_hash(build_demo_tokenizer())
     assert build_demo_tokenizer().get_vocab() == tok.get_vocab()
 
 
-def test_demo_data_files(tmp_path, tok):
+def test_demo_data_files(tok):
     paths = {form: demo_data_path(form) for form in ("sharegpt", "openai")}
     rows = {form: [row for _, row in iter_rows(path)] for form, path in paths.items()}
     assert len(rows["openai"]) == len(rows["sharegpt"]) >= 200
@@ -151,6 +155,10 @@ def test_tiny_architectures_load_and_run(tmp_path, tok, architecture):
     assert model.config.model_type == architecture
     assert model.config.num_hidden_layers == 8
     loaded_tok = AutoTokenizer.from_pretrained(path)
+    assert loaded_tok.get_vocab() == tok.get_vocab()
+    assert loaded_tok.chat_template == tok.chat_template
+    if architecture != "qwen2":  # transformers maps model_type qwen2 to Qwen2Tokenizer's own pre-tokenizer
+        assert tokenizer_hash(loaded_tok) == tokenizer_hash(tok)
     ids = loaded_tok.apply_chat_template(
         [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "It is 4."}],
         return_tensors="pt",

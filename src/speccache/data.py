@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-_OPENAI_ROLES = ("system", "user", "assistant")
+_OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
 _ROW_KEYS = ("conversations", "messages", "input_ids")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _MAX_BAD_ROW_MESSAGES = 5
@@ -121,7 +121,9 @@ def _raw_rows(path: str) -> Iterator[tuple[int, str, Any]]:
             with open(path, encoding="utf-8-sig") as f:
                 rows = json.load(f)
         except UnicodeDecodeError as e:
-            raise DataError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start}); re-encode the file as UTF-8") from e
+            raise DataError(
+                f"{path}: not valid UTF-8 ({e.reason} at byte {e.start}); re-encode the file as UTF-8"
+            ) from e
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg}, column {e.colno}); fix the file") from e
         if not isinstance(rows, list):
@@ -227,13 +229,15 @@ def _chat_template(tokenizer: Any, where: str) -> str:
         ) from e
 
 
-def _apply(tokenizer: Any, messages: list[dict], **kwargs: Any) -> Any:
+def _apply(tokenizer: Any, messages: list[dict], where: str, **kwargs: Any) -> Any:
     from jinja2 import TemplateError
 
     try:
         return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
     except TemplateError as e:
-        raise _RowError(f"the chat template rejected the conversation ({e}); fix the row's roles or order") from e
+        raise _RowError(
+            f"{where}: the chat template rejected the conversation ({e}); fix the row's roles or order"
+        ) from e
 
 
 def _prefix_difference_mask(tokenizer: Any, messages: list[dict], ids: list[int], where: str) -> list[int]:
@@ -241,8 +245,8 @@ def _prefix_difference_mask(tokenizer: Any, messages: list[dict], ids: list[int]
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = list(_apply(tokenizer, messages[:i], add_generation_prompt=True)["input_ids"])
-        after = list(_apply(tokenizer, messages[: i + 1])["input_ids"])
+        before = list(_apply(tokenizer, messages[:i], where, add_generation_prompt=True)["input_ids"])
+        after = list(_apply(tokenizer, messages[: i + 1], where)["input_ids"])
         if after[: len(before)] != before or ids[: len(after)] != after:
             raise DataError(
                 f"{where}: the chat template is not prefix-stable (rendering the conversation up to message {i} "
@@ -254,15 +258,12 @@ def _prefix_difference_mask(tokenizer: Any, messages: list[dict], ids: list[int]
 
 
 def _chat_tokens(tokenizer: Any, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
-    template = _chat_template(tokenizer, where)
-    try:
-        if _GENERATION_TAG.search(template) and tokenizer.is_fast:
-            encoded = _apply(tokenizer, messages, return_assistant_tokens_mask=True)
-            return list(encoded["input_ids"]), list(encoded["assistant_masks"])
-        ids = list(_apply(tokenizer, messages)["input_ids"])
-        return ids, _prefix_difference_mask(tokenizer, messages, ids, where)
-    except _RowError as e:
-        raise _RowError(f"{where}: {e}") from e
+    # transformers derives assistant_masks from character offsets, which only fast tokenizers report.
+    if _GENERATION_TAG.search(_chat_template(tokenizer, where)) and tokenizer.is_fast:
+        encoded = _apply(tokenizer, messages, where, return_assistant_tokens_mask=True)
+        return list(encoded["input_ids"]), list(encoded["assistant_masks"])
+    ids = list(_apply(tokenizer, messages, where)["input_ids"])
+    return ids, _prefix_difference_mask(tokenizer, messages, ids, where)
 
 
 def _encode(row: Any, tokenizer: Any, where: str) -> tuple[list[int], list[int]] | None:
@@ -281,7 +282,7 @@ def _encode(row: Any, tokenizer: Any, where: str) -> tuple[list[int], list[int]]
     if kinds[0] == "conversations":
         messages = _message_list(row, "conversations", "from", "value", _SHAREGPT_ROLES, where)
     else:
-        messages = _message_list(row, "messages", "role", "content", {r: r for r in _OPENAI_ROLES}, where)
+        messages = _message_list(row, "messages", "role", "content", _OPENAI_ROLES, where)
     if not any(m["role"] == "assistant" for m in messages):
         return None
     return _chat_tokens(tokenizer, messages, where)
@@ -431,6 +432,10 @@ def tokenizer_hash(tokenizer: Any) -> str:
     if backend is not None:
         pipeline = json.loads(backend.to_str())
         model = {k: v for k, v in (pipeline.get("model") or {}).items() if k != "vocab"}
-        payload["backend"] = {"normalizer": pipeline.get("normalizer"), "pre_tokenizer": pipeline.get("pre_tokenizer"), "model": model}
+        payload["backend"] = {
+            "normalizer": pipeline.get("normalizer"),
+            "pre_tokenizer": pipeline.get("pre_tokenizer"),
+            "model": model,
+        }
     encoded = json.dumps(payload, sort_keys=True, ensure_ascii=True, separators=(",", ":"))
     return xxhash.xxh3_128_hexdigest(encoded.encode("utf-8"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import mmap
 import os
 import re
@@ -35,7 +36,8 @@ FORMAT_VERSION = 1
 """Version of the native layout (key schema, offsets, shard table). See docs/format.md."""
 
 MANIFEST_NAME = "manifest.json"
-SHARD_RE = re.compile(r"^shard-(\d{6})\.safetensors$")
+SHARD_RE = re.compile(r"^shard-([0-9]{6})\.safetensors\Z")
+r"""Shard file names: exactly six ASCII digits (``\Z``, not ``$``, so a trailing newline is no match)."""
 TMP_MARK = ".tmp-"
 """Temporary files are ``<final name>.tmp-<host>-<pid>-<random>``; no reader matches them."""
 OFFSETS_KEY = "__offsets__"
@@ -113,7 +115,7 @@ def num_shards(num_samples: int, shard_size: int) -> int:
 
 def check_shard_size(shard_size: int) -> None:
     """Raise ``ValueError`` unless ``shard_size >= 1``."""
-    if not isinstance(shard_size, int) or shard_size < 1:
+    if not isinstance(shard_size, numbers.Integral) or shard_size < 1:
         raise ValueError(f"shard_size must be an integer >= 1, got {shard_size!r}")
 
 

@@ -89,7 +89,7 @@ def load_safetensors(cache_name: str) -> tuple[Callable[..., Any], Callable[...,
 
 
 def ensure_supervision_options_match(
-    manifest: dict[str, Any], expected: dict[str, bool], *, cache_name: str, cache_dir: str, producer_name: str
+    manifest: dict[str, Any], expected: dict[str, bool], cache_name: str, cache_dir: str, producer_name: str
 ) -> None:
     """Refuse a cache whose supervision was built under other dataset options than the run's.
 

@@ -120,10 +120,12 @@ class CacheDataset(Dataset):
             if unknown:
                 raise CacheFormatError(f"{cache_dir}: keys {unknown} are not in the cache; it holds {sorted(schema)}")
             self.schema: Schema = {k: schema[k] for k in keys}
+            self._shard_schema: Schema = schema  # shards hold every key; only self.keys are read
         elif keys is None:
             raise ValueError(f"{cache_dir}: a cache without a key schema needs the keys to read (disk_keys)")
         else:
             self.schema = {}
+            self._shard_schema = {}
         self.keys: tuple[str, ...] = tuple(keys)
         self._checksums = {int(r["index"]): r.get("xxh3_128") for r in self.manifest.get("shards", []) if isinstance(r, dict)}
         if self.native and not self.manifest.get("complete", False):
@@ -164,7 +166,7 @@ class CacheDataset(Dataset):
                 "Delete it and re-run the producer with --resume."
             )
         if self.native:
-            shard = NativeShard(path, self.schema, index, expected, verify=self.verify and not self._checksums.get(index))
+            shard = NativeShard(path, self._shard_schema, index, expected, verify=self.verify and not self._checksums.get(index))
         else:
             shard = _SeedShard(path, self.keys, expected, self.verify)
         self._open[index] = shard

@@ -9,7 +9,9 @@ same shards as one uninterrupted process.
 
 from __future__ import annotations
 
+import json
 import logging
+import numbers
 import queue
 import threading
 from dataclasses import dataclass
@@ -20,7 +22,16 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from speccache.errors import ShardWriteError
-from speccache.format import LENGTHS_KEY, Schema, check_shard_size, num_shards, shard_path, write_safetensors
+from speccache.format import (
+    LENGTHS_KEY,
+    SHARD_META_CHECKSUMS,
+    Schema,
+    check_shard_size,
+    num_shards,
+    shard_path,
+    tensor_checksum,
+    write_safetensors,
+)
 from speccache.shard import write_shard_file
 
 Batch = dict[str, torch.Tensor]
@@ -54,9 +65,9 @@ def partition_cache_shards(num_samples: int, shard_size: int, world_size: int, r
     Raises:
         ValueError: ``world_size < 1``, ``rank`` outside ``[0, world_size)`` or ``shard_size < 1``.
     """
-    if not isinstance(world_size, int) or world_size < 1:
+    if not isinstance(world_size, numbers.Integral) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
+    if not isinstance(rank, numbers.Integral) or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank!r} must be in [0, {world_size})")
     total = num_shards(num_samples, shard_size)
     base, extra = divmod(total, world_size)
@@ -130,6 +141,9 @@ def write_tensor_shard(
 ) -> str:
     """Write one fixed-shape shard holding exactly ``keys`` (the seed layout).
 
+    The safetensors metadata records each tensor's xxh3-128 under ``xxh3_128``
+    (as in native shards), so readers with ``verify`` can check it.
+
     Returns:
         The shard path.
 
@@ -139,7 +153,9 @@ def write_tensor_shard(
     missing = [key for key in keys if key not in samples]
     if missing:
         raise ValueError(f"write_shard is missing required {cache_name} cache fields: {missing}")
-    return write_safetensors(shard_path(cache_dir, shard_index), {key: samples[key].contiguous() for key in keys}).path
+    tensors = {key: samples[key].detach().cpu().contiguous() for key in keys}
+    checksums = json.dumps({key: tensor_checksum(t) for key, t in sorted(tensors.items())}, sort_keys=True, separators=(",", ":"))
+    return write_safetensors(shard_path(cache_dir, shard_index), tensors, {SHARD_META_CHECKSUMS: checksums}).path
 
 
 @dataclass(frozen=True)

@@ -210,7 +210,10 @@ def build_tiny_model_dir(path: str, architecture: str, seed: int = 0) -> str:
 
     Returns:
         ``path`` as an absolute string, loadable with ``AutoModelForCausalLM`` and
-        ``AutoTokenizer`` ``from_pretrained`` offline.
+        ``AutoTokenizer`` ``from_pretrained`` offline. For ``qwen2`` transformers 5
+        loads ``Qwen2Tokenizer``, which keeps the demo vocabulary, merges, special
+        tokens and chat template but swaps in Qwen2's normalizer and pre-tokenizer,
+        so text can split differently than with :func:`build_demo_tokenizer`.
 
     Raises:
         ValueError: Unknown ``architecture``.

@@ -1,0 +1,177 @@
+"""A shuffling sampler that keeps reads within a few shards, for distributed, resumable training.
+
+A uniform permutation of a large cache makes every batch touch as many shards
+as it has samples: cold reads become random I/O over the whole cache and the
+reader keeps reopening shards. :class:`LocalityShuffleSampler` shuffles at two
+levels instead: the order of the shards, then the samples inside windows of
+``window`` consecutive shards of that order. Every window is read to the end
+before the next begins, so a stretch of the sequence one window long
+(``window * shard_size`` samples) touches at most ``2 * window`` shards, or
+``3 * window`` where it straddles the one window shortened by the cache's
+partial last shard.
+
+Resuming. A DataLoader draws indices ahead of what the training loop has seen
+(``prefetch_factor * num_workers`` batches), so the sampler cannot know how far
+training got. The trainer counts the samples (or batches) it consumed in the
+epoch and records them; on resume it hands that count back::
+
+    # when checkpointing, inside epoch ``epoch`` after ``steps`` batches of this pass
+    state = sampler.state_dict(consumed=sampler.start + steps * batch_size)
+    ...
+    # in the resumed job, before building the DataLoader's iterator
+    sampler.load_state_dict(state)
+    for epoch in range(state["epoch"], num_epochs):
+        sampler.set_epoch(epoch)  # keeps the offset for the resumed epoch, clears it for the next
+        for batch in loader: ...
+
+The sequence is computed in the main process, so the number of DataLoader
+workers does not change it, and it is a pure function of
+``(seed, epoch, len, shard_size, window, world_size, rank, drop_last)``.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Iterator, Sized
+
+import numpy as np
+from torch.utils.data import Sampler
+
+__all__ = ["LocalityShuffleSampler"]
+
+_CHECKED = ("seed", "window", "shard_size", "num_samples", "world_size", "drop_last")
+
+
+class LocalityShuffleSampler(Sampler[int]):
+    """Shuffles shard order, then samples within windows of ``window`` shards; split across ranks.
+
+    The epoch's global sequence (every sample once) is padded by repeating its
+    head (or, with ``drop_last``, cut) to a multiple of ``world_size`` and split
+    into ``world_size`` contiguous runs, one per rank: ranks get the same number
+    of indices, are disjoint before padding, and each reads its own shards.
+
+    Args:
+        data: the dataset (anything with ``len``) or its length.
+        shard_size: samples per shard of the cache (``CacheDataset.shard_size``).
+        seed: seed shared by every rank.
+        window: shards whose samples are shuffled together; larger mixes more, reads less locally.
+        rank: this process's rank.
+        world_size: number of ranks.
+        drop_last: drop the tail that does not divide evenly among ranks instead of padding.
+
+    Raises:
+        ValueError: a non-positive ``shard_size``, ``window`` or ``world_size``, or ``rank`` out of range.
+    """
+
+    def __init__(
+        self,
+        data: int | Sized,
+        shard_size: int,
+        *,
+        seed: int = 0,
+        window: int = 8,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = False,
+    ) -> None:
+        num_samples = len(data) if isinstance(data, Sized) else operator.index(data)
+        if num_samples < 0:
+            raise ValueError(f"dataset length must be >= 0, got {num_samples}")
+        for name, value in (("shard_size", shard_size), ("window", window), ("world_size", world_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank!r} must be in [0, {world_size})")
+        self.num_samples = num_samples
+        self.shard_size = shard_size
+        self.seed = seed
+        self.window = window
+        self.rank = rank
+        self.world_size = world_size
+        self.drop_last = drop_last
+        if drop_last:
+            self.per_rank = num_samples // world_size
+        else:
+            self.per_rank = -(-num_samples // world_size)
+        self.epoch = 0
+        self.start = 0
+        """Offset into this rank's epoch sequence where the next pass begins (set by :meth:`load_state_dict`)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch; a different epoch than the current one starts from its beginning."""
+        if epoch != self.epoch:
+            self.start = 0
+        self.epoch = epoch
+
+    def epoch_order(self, epoch: int | None = None) -> np.ndarray:
+        """The global sequence of ``epoch`` (default: the current one), every sample once, before the rank split."""
+        rng = np.random.default_rng([self.seed, self.epoch if epoch is None else epoch])
+        n, size = self.num_samples, self.shard_size
+        shards = rng.permutation(-(-n // size))
+        lengths = np.minimum(size, n - shards * size)
+        ends = np.cumsum(lengths)
+        # Sample j of the sequence sits in block b at position j - (ends[b] - lengths[b]).
+        order = np.arange(n, dtype=np.int64) + np.repeat(shards * size - (ends - lengths), lengths)
+        for first in range(0, len(shards), self.window):
+            last = min(first + self.window, len(shards))
+            rng.shuffle(order[ends[first] - lengths[first] : ends[last - 1]])
+        return order
+
+    def rank_order(self, epoch: int | None = None) -> np.ndarray:
+        """This rank's whole sequence for ``epoch`` (default: the current one), ignoring :attr:`start`."""
+        order = self.epoch_order(epoch)
+        total = self.per_rank * self.world_size
+        if total > len(order):
+            order = np.resize(order, total) if len(order) else order
+        return order[self.rank * self.per_rank : (self.rank + 1) * self.per_rank]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.rank_order()[self.start :].tolist())
+
+    def __len__(self) -> int:
+        """Indices the next pass yields: ``per_rank - start``."""
+        return self.per_rank - self.start
+
+    def state_dict(self, consumed: int) -> dict[str, int | bool]:
+        """The resume state after the trainer consumed ``consumed`` samples of this rank's current epoch.
+
+        ``consumed`` counts from the beginning of the epoch, not of the pass: a
+        trainer counting batches since its loop started adds :attr:`start`. It
+        must come from the trainer: the DataLoader has drawn more indices than
+        training used.
+
+        Raises:
+            ValueError: ``consumed`` outside ``[0, per_rank]``.
+        """
+        if not 0 <= consumed <= self.per_rank:
+            raise ValueError(f"consumed={consumed} must be in [0, {self.per_rank}] (samples of this rank's epoch)")
+        return {
+            "epoch": self.epoch,
+            "consumed": consumed,
+            "seed": self.seed,
+            "window": self.window,
+            "shard_size": self.shard_size,
+            "num_samples": self.num_samples,
+            "world_size": self.world_size,
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: dict[str, int | bool]) -> None:
+        """Continue epoch ``state["epoch"]`` after its first ``state["consumed"]`` samples.
+
+        Only ``epoch`` and ``consumed`` are required; the other keys of
+        :meth:`state_dict`, when present, must match this sampler, since the
+        remaining sequence would differ otherwise.
+
+        Raises:
+            ValueError: a mismatching setting or ``consumed`` out of range.
+        """
+        differing = [k for k in _CHECKED if k in state and state[k] != getattr(self, k)]
+        if differing:
+            details = ", ".join(f"{k}: state has {state[k]!r}, sampler has {getattr(self, k)!r}" for k in differing)
+            raise ValueError(f"cannot resume: the sampler state was saved with other settings ({details})")
+        consumed = int(state["consumed"])
+        if not 0 <= consumed <= self.per_rank:
+            raise ValueError(f"consumed={consumed} must be in [0, {self.per_rank}] (samples of this rank's epoch)")
+        self.epoch = int(state["epoch"])
+        self.start = consumed
