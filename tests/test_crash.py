@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,11 +35,12 @@ WORKERS = 2
 if crashlib.SOAK:
     PRODUCERS = [Producer(samples=400, shard_size=6), Producer(samples=240, shard_size=4, encoding="zbf16"),
                  Producer(samples=240, shard_size=5, hidden=96, encoding="fp8")]  # fmt: skip
-    SCENARIOS = int(os.environ.get("SPECCACHE_SOAK_SCENARIOS", "160"))
-    MIN_KILLS = 300
+    MIN_SCENARIOS = int(os.environ.get("SPECCACHE_SOAK_SCENARIOS", "160"))
+    TARGET_KILLS = MIN_KILLS = 300
 else:
     PRODUCERS = [Producer(), Producer(samples=96, shard_size=4, encoding="zbf16")]
-    SCENARIOS = 20
+    MIN_SCENARIOS = 16
+    TARGET_KILLS = 36
     MIN_KILLS = 30
 
 
@@ -60,23 +61,31 @@ def refs(servers, tmp_path_factory):
     return out
 
 
-def _run_all(servers, scenarios, refs, base, runner=run_scenario):
-    pool: queue.Queue[ForkServer] = queue.Queue()
-    for server in servers:
-        pool.put(server)
+def _run_all(servers, scenarios, refs, base, runner=run_scenario, enough=lambda outcomes: False):
+    """Run ``scenarios`` in order, one per fork server at a time, until all ran or ``enough(outcomes so far)``."""
+    pending = iter(enumerate(scenarios))
+    outcomes: list[crashlib.Outcome] = []
+    lock = threading.Lock()
 
-    def one(item):
-        index, scenario = item
-        server = pool.get()
-        try:
+    def worker(server: ForkServer) -> None:
+        while True:
+            with lock:
+                if enough(outcomes):
+                    return
+                item = next(pending, None)
+            if item is None:
+                return
+            index, scenario = item
             workdir = base / f"s{index:04d}"
             workdir.mkdir()
-            return runner(server, scenario, refs[scenario.producer], str(workdir))
-        finally:
-            pool.put(server)
+            outcome = runner(server, scenario, refs[scenario.producer], str(workdir))
+            with lock:
+                outcomes.append(outcome)
 
     with ThreadPoolExecutor(len(servers)) as ex:
-        return list(ex.map(one, enumerate(scenarios)))
+        for future in [ex.submit(worker, server) for server in servers]:
+            future.result()
+    return outcomes
 
 
 def test_sync_and_overlapped_writers_write_identical_caches(servers, refs, tmp_path):
@@ -87,10 +96,15 @@ def test_sync_and_overlapped_writers_write_identical_caches(servers, refs, tmp_p
 
 def test_killed_producer_resumes_to_identical_cache(servers, refs, tmp_path):
     rng = random.Random(SEED)
-    seconds = {p: r.elapsed for p, r in refs.items()}
-    scenarios = crashlib.make_scenarios(rng, PRODUCERS, seconds, SCENARIOS)
+    # Kill times are random and a run may finish first, so scenarios keep coming (in seeded order)
+    # until both MIN_SCENARIOS ran and TARGET_KILLS kills happened.
+    scenarios = crashlib.make_scenarios(rng, refs, MIN_SCENARIOS * 3)
+
+    def enough(done):
+        return len(done) >= MIN_SCENARIOS and sum(o.kill_points for o in done) >= TARGET_KILLS
+
     t0 = time.monotonic()
-    outcomes = _run_all(servers, scenarios, refs, tmp_path)
+    outcomes = _run_all(servers, scenarios, refs, tmp_path, enough=enough)
     kills = sum(o.kill_points for o in outcomes)
     early = sum(o.completed_early for o in outcomes)
     print(f"\ncrash harness: seed {SEED}, {len(scenarios)} scenarios, {kills} kill points "
@@ -109,14 +123,14 @@ def _interrupt_scenario(server: ForkServer, scenario: Scenario, ref: Reference, 
     outcome = crashlib.Outcome(scenario)
     kill = scenario.kills[0]
     result = server.run(PRODUCER, scenario.producer.argv(out, sync=kill.sync), log=os.path.join(workdir, "run.log"),
-                        kill_after=kill.seconds, signal_name="SIGINT")  # fmt: skip
+                        kill_after=kill.seconds, signal_name="SIGINT", nofsync=True)  # fmt: skip
     assert result.rc in (0, 1, -signal.SIGINT), result.output()
     if result.rc != 0:
         outcome.kill_points += 1
         assert "KeyboardInterrupt" in result.output() or result.rc == -signal.SIGINT, result.output()
     found = check_after_kill(out, ref)
     assert found["temp"] == 0 and found["lock"] == 0, f"interrupted at {kill.seconds:.3f}s left {found}:\n{result.output()}"
-    result = server.run(PRODUCER, scenario.producer.argv(out, resume=True), log=os.path.join(workdir, "final.log"))
+    result = server.run(PRODUCER, scenario.producer.argv(out, resume=True), log=os.path.join(workdir, "final.log"), nofsync=True)
     assert result.rc == 0, result.output()
     check_final(out, ref)
     return outcome
@@ -125,7 +139,7 @@ def _interrupt_scenario(server: ForkServer, scenario: Scenario, ref: Reference, 
 def test_ctrl_c_leaves_no_temp_file_or_lock(servers, refs, tmp_path):
     rng = random.Random(SEED + 1)
     producer = PRODUCERS[0]
-    span = refs[producer].elapsed
+    span = refs[producer].fast_elapsed
     count = 40 if crashlib.SOAK else 6
     scenarios = [Scenario(f"sigint-{i}", producer, [Kill(seconds=rng.uniform(0.05, span), sync=rng.random() < 0.5)])
                  for i in range(count)]  # fmt: skip

@@ -16,17 +16,20 @@ unsealed manifest and a subset of whole shards.
 
 from __future__ import annotations
 
+import importlib
+import json
 import logging
 import os
 from typing import Any, Callable
 
 from speccache import __version__
 from speccache.dist import Comm, LocalComm
-from speccache.errors import CacheExistsError, ConfigMismatchError, SpeccacheError
+from speccache.errors import CacheExistsError, ConfigMismatchError, DistributedError, SpeccacheError
 from speccache.faults import fault_point
 from speccache.format import (
     FORMAT_VERSION,
     MANIFEST_NAME,
+    SHARD_META_ERROR,
     Schema,
     existing_shard_indices,
     file_checksum,
@@ -40,7 +43,7 @@ from speccache.format import (
 )
 from speccache.lock import CacheLock
 from speccache.shard import NativeShard
-from speccache.write import NativeShardWriter, ShardRecord, partition_cache_shards
+from speccache.write import NativeShardWriter, ShardRecord, encoding_error_summary, partition_cache_shards
 
 log = logging.getLogger(__name__)
 
@@ -101,19 +104,26 @@ class CacheWriter:
     # -- collective error handling: a failure on one rank becomes the same exception on all
 
     def _on_all_ranks(self, fn: Callable[[], Any]) -> Any:
-        error: BaseException | None = None
+        # Any exception is caught: a rank that raised before the all_gather would leave the others waiting in it.
+        # The first failing rank's error is raised everywhere (type and message; by name, which always pickles).
+        error: Exception | None = None
         result = None
         try:
             result = fn()
-        except SpeccacheError as exc:
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
             error = exc
-        errors = self.comm.all_gather(None if error is None else (type(error), str(error)))
-        for item in errors:
+        report = None if error is None else (type(error).__module__, type(error).__qualname__, str(error))
+        try:
+            reports = self.comm.all_gather(report)
+        except DistributedError:
+            if error is not None:
+                raise error
+            raise
+        for rank, item in enumerate(reports):
             if item is not None:
-                kind, message = item
-                if error is not None and type(error) is kind:
+                if rank == self.comm.rank and error is not None:
                     raise error
-                raise kind(message)
+                raise _rebuild_error(rank, *item)
         return result
 
     def preflight(self) -> None:
@@ -145,8 +155,12 @@ class CacheWriter:
                 self._lock.release()
                 raise
 
-        self._on_all_ranks(_prepare if self.comm.rank == 0 else lambda: None)
-        return self._on_all_ranks(self._shards_to_compute)
+        try:
+            self._on_all_ranks(_prepare if self.comm.rank == 0 else lambda: None)
+            return self._on_all_ranks(self._shards_to_compute)
+        except BaseException:
+            self.close()
+            raise
 
     def _check_directory(self) -> None:
         if os.path.exists(self.cache_dir) and not os.path.isdir(self.cache_dir):
@@ -188,11 +202,12 @@ class CacheWriter:
         expected = min(self.shard_size, self.num_samples - index * self.shard_size)
         try:
             shard = NativeShard(path, self.schema, index, expected, verify=True)
-        except SpeccacheError as exc:
+            errors = json.loads(shard.file.metadata.get(SHARD_META_ERROR, "{}"))
+        except (SpeccacheError, OSError, ValueError) as exc:  # OSError: e.g. listed by a stale NFS directory cache, then gone
             log.warning("recomputing %s: %s", path, exc)
             return False
         tokens = int(shard.offsets[-1]) if any(s.ragged for s in self.schema.values()) else 0
-        self.shard_writer.records[index] = ShardRecord(index, shard.num_samples, tokens, shard.file.size, file_checksum(path))
+        self.shard_writer.records[index] = ShardRecord(index, shard.num_samples, tokens, shard.file.size, file_checksum(path), errors)
         return True
 
     def seal(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -204,28 +219,58 @@ class CacheWriter:
         Returns:
             The sealed manifest.
         """
-        tables = self.comm.all_gather([r.to_json() for r in self.shard_writer.records.values()])
-        shards = sorted((row for table in tables for row in table), key=lambda row: row["index"])
-        if [row["index"] for row in shards] != list(range(num_shards(self.num_samples, self.shard_size))):
-            raise SpeccacheError(f"cannot seal {self.cache_dir}: shard table is incomplete ({len(shards)} shards)")
-        self.manifest.update(extra or {})
-        self.manifest.update(
-            shards=shards,
-            num_tokens=sum(row["tokens"] for row in shards),
-            total_bytes=sum(row["bytes"] for row in shards),
-            complete=True,
-        )
-        if self.comm.rank == 0:
-            fault_point("before_seal")
-            write_manifest(self.cache_dir, self.manifest, FORMAT_VERSION)
-            fault_point("after_seal")
-        self.comm.barrier()
-        self.close()
+        try:
+            # The all_gather is the barrier: every rank has written (fsynced, renamed) all its shards.
+            tables = self.comm.all_gather([r.to_json() for r in self.shard_writer.records.values()])
+            shards = sorted((row for table in tables for row in table), key=lambda row: row["index"])
+            if [row["index"] for row in shards] != list(range(num_shards(self.num_samples, self.shard_size))):
+                raise SpeccacheError(f"cannot seal {self.cache_dir}: shard table is incomplete ({len(shards)} shards)")
+            self.manifest.update(extra or {})
+            error = encoding_error_summary(shards)
+            if error:
+                self.manifest["stats"] = {**self.manifest.get("stats", {}), "encoding_error": error}
+            self.manifest.update(
+                shards=shards,
+                num_tokens=sum(row["tokens"] for row in shards),
+                total_bytes=sum(row["bytes"] for row in shards),
+                complete=True,
+            )
+
+            def _write_sealed() -> None:
+                if self.comm.rank == 0:
+                    fault_point("before_seal")
+                    write_manifest(self.cache_dir, self.manifest, FORMAT_VERSION)
+                    fault_point("after_seal")
+                    self.close()
+
+            # Every rank returns only once the sealed manifest is on disk and the lock is free; a failed write fails all.
+            self._on_all_ranks(_write_sealed)
+        except BaseException:
+            self.close()
+            raise
         return self.manifest
 
     def close(self) -> None:
         """Release the lock without sealing (after a failure)."""
         self._lock.release()
+
+
+def _rebuild_error(rank: int, module: str, qualname: str, message: str) -> Exception:
+    """Rank ``rank``'s exception, recreated here: the same type for speccache and built-in errors."""
+    kind: Any = None
+    if module == "builtins" or module == "speccache" or module.startswith("speccache."):
+        try:
+            kind = importlib.import_module(module)
+            for part in qualname.split("."):
+                kind = getattr(kind, part)
+        except (ImportError, AttributeError):
+            kind = None
+    if isinstance(kind, type) and issubclass(kind, Exception):
+        try:
+            return kind(message)
+        except Exception:  # noqa: BLE001 - a constructor that wants other arguments
+            pass
+    return DistributedError(f"rank {rank} failed: {module}.{qualname}: {message}")
 
 
 def _describe_difference(key: str, found: Any, wanted: Any) -> str:

@@ -89,9 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _method_commands() -> list[Callable[[Any], None]]:
+    from speccache.estimate import register_commands as register_estimate
     from speccache.precompute import register_commands
 
-    return [register_commands]
+    return [register_commands, register_estimate]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,18 +1,30 @@
 """The few collectives a producer needs, for one process or a ``torch.distributed`` group.
 
 Producers talk to a :class:`Comm` so that the same code runs alone and under
-``torchrun``; only :func:`init_from_env` knows about process groups.
+``torchrun``; this is the only module that knows about ``torch.distributed``:
+:func:`init_from_env` joins the group, :func:`shutdown` leaves it.
+
+A collective that fails (another rank died, so its sockets closed; or it did not
+reach the same collective within the timeout) raises
+:class:`speccache.errors.DistributedError` on the ranks still alive, naming the
+rank, the timeout and the ``--resume`` way out, instead of a backend traceback.
+With Gloo (CPU) a dead peer is noticed at once and a hung one after the timeout;
+with NCCL the backend's watchdog aborts the process after the timeout.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-from typing import Any, Protocol, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
 import torch
 
+from speccache.errors import DistributedError
+
 T = TypeVar("T")
+
+__all__ = ["Comm", "LocalComm", "TorchComm", "launched_distributed", "init_from_env", "shutdown"]
 
 
 class Comm(Protocol):
@@ -53,35 +65,81 @@ class LocalComm:
         return None
 
 
-class TorchComm:
-    """A ``torch.distributed`` process group (already initialised)."""
+def _describe_timeout(timeout_s: float | None) -> str:
+    return f"the {timeout_s:g} s timeout (--timeout)" if timeout_s is not None else "the process group's timeout"
 
-    def __init__(self, device: torch.device | None = None) -> None:
+
+def collective_failure_message(rank: int, world_size: int, op: str, timeout_s: float | None, exc: BaseException) -> str:
+    """What a rank says when collective ``op`` failed with the backend error ``exc``."""
+    detail = " ".join(str(exc).split())
+    if len(detail) > 400:
+        detail = detail[:400] + "..."
+    if "timed out" in detail.lower() or "timeout" in detail.lower():
+        what = f"another rank did not reach the same step within {_describe_timeout(timeout_s)} (hung, or much slower)"
+    else:
+        what = f"the connection to another rank was lost (it exited or crashed; the wait is bounded by {_describe_timeout(timeout_s)})"
+    return (
+        f"rank {rank} of {world_size}: {op} failed: {what}. The first error is in the log of the rank that stopped. "
+        "Every shard already written is kept: re-run the same command with --resume (any number of ranks) to finish "
+        f"the cache. [backend: {detail}]"
+    )
+
+
+class TorchComm:
+    """A ``torch.distributed`` process group (already initialised).
+
+    Args:
+        device: the device the producer computes on (collectives use it under NCCL, the CPU under Gloo).
+        timeout_s: the group's collective timeout, quoted in error messages.
+        group: the process group (default: the default group).
+        owns_group: :func:`shutdown` destroys the default group only when this is true
+            (:func:`init_from_env` created it).
+    """
+
+    def __init__(
+        self,
+        device: torch.device | None = None,
+        *,
+        timeout_s: float | None = None,
+        group: Any = None,
+        owns_group: bool = False,
+    ) -> None:
         import torch.distributed as dist
 
         self._dist = dist
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        self._group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.timeout_s = timeout_s
+        self.owns_group = owns_group
         # NCCL reduces only CUDA tensors; Gloo only CPU ones.
-        self._device = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        self._device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+    def _run(self, op: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except RuntimeError as exc:  # DistBackendError, DistNetworkError... all subclass RuntimeError
+            raise DistributedError(collective_failure_message(self.rank, self.world_size, op, self.timeout_s, exc)) from exc
 
     def all_gather(self, obj: T) -> list[T]:
         out: list[Any] = [None] * self.world_size
-        self._dist.all_gather_object(out, obj)
+        self._run("all_gather", lambda: self._dist.all_gather_object(out, obj, group=self._group))
         return out
 
     def max_int(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=self._device)
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX)
+        self._run("all_reduce(max)", lambda: self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self._group))
         return int(t.item())
 
     def sum_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         t = tensor.to(self._device)
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.SUM)
+        if t is tensor:
+            t = t.clone()  # all_reduce works in place; leave the caller's tensor alone
+        self._run("all_reduce(sum)", lambda: self._dist.all_reduce(t, op=self._dist.ReduceOp.SUM, group=self._group))
         return t.cpu()
 
     def barrier(self) -> None:
-        self._dist.barrier()
+        self._run("barrier", lambda: self._dist.barrier(group=self._group))
 
 
 def launched_distributed() -> bool:
@@ -92,17 +150,42 @@ def launched_distributed() -> bool:
 def init_from_env(device: torch.device, timeout_s: float) -> Comm:
     """Join the ``torchrun`` process group (NCCL on CUDA, Gloo on CPU), or return :class:`LocalComm`.
 
+    Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``
+    as ``torchrun`` sets them. A group already initialised by the caller is used as is.
+
     Args:
         device: the device the producer computes on.
-        timeout_s: how long a collective waits for the other ranks before failing.
+        timeout_s: how long joining the group and each collective wait for the other ranks before failing.
+
+    Raises:
+        DistributedError: the group could not be joined within ``timeout_s``.
     """
     if not launched_distributed():
         return LocalComm()
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if dist.is_initialized():
+        return TorchComm(device, timeout_s=timeout_s)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    try:
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return TorchComm(device)
+    except (RuntimeError, ValueError) as exc:  # DistStoreError/DistNetworkError are RuntimeErrors; bad env: ValueError
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise DistributedError(
+            f"rank {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')}: could not join the {backend} process "
+            f"group at {where} within {timeout_s:g} s (--timeout): {str(exc).strip().rstrip('.')}. Check that every rank was started with the "
+            "same rendezvous settings and can reach that address."
+        ) from exc
+    return TorchComm(device, timeout_s=timeout_s, owns_group=True)
+
+
+def shutdown(comm: Comm) -> None:
+    """Leave the process group :func:`init_from_env` joined (no-op for :class:`LocalComm` or a caller's group)."""
+    if isinstance(comm, TorchComm) and comm.owns_group:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        comm.owns_group = False

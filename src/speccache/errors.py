@@ -18,6 +18,7 @@ __all__ = [
     "DataError",
     "ShardWriteError",
     "CacheExistsError",
+    "DistributedError",
 ]
 
 
@@ -55,3 +56,7 @@ class ShardWriteError(SpeccacheError, RuntimeError):
 
 class CacheExistsError(SpeccacheError, FileExistsError):
     """The output directory already holds a cache and ``--resume`` was not given."""
+
+
+class DistributedError(SpeccacheError, RuntimeError):
+    """A collective failed: another rank died, hung past the timeout, or failed first (its error is quoted)."""

@@ -405,7 +405,8 @@ def file_checksum(path: str, chunk_bytes: int = 16 << 20) -> str:
     """xxh3-128 hex digest of a file, streamed."""
     h = xxhash.xxh3_128()
     with open(path, "rb", buffering=0) as f:
-        buf = bytearray(chunk_bytes)
+        # no bigger than the file: zeroing a 16 MiB buffer costs more than hashing a small shard
+        buf = bytearray(max(1, min(chunk_bytes, os.fstat(f.fileno()).st_size)))
         view = memoryview(buf)
         while True:
             n = f.readinto(buf)
@@ -438,10 +439,7 @@ def write_safetensors(path: str, tensors: Mapping[str, torch.Tensor], metadata: 
     Returns:
         The path, the file size and the xxh3-128 of the whole file.
     """
-    names = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
+    prefix, names = safetensors_prefix({name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}, metadata)
     offset = 0
     views = []
     for name in names:
@@ -449,12 +447,8 @@ def write_safetensors(path: str, tensors: Mapping[str, torch.Tensor], metadata: 
         if t.device.type != "cpu" or not t.is_contiguous():
             t = t.detach().to("cpu").contiguous()
         view = bytes_view(t)
-        header[name] = {"dtype": _ST_OF[_storable(t.dtype)], "shape": list(t.shape), "data_offsets": [offset, offset + view.nbytes]}
         offset += view.nbytes
         views.append(view)
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    prefix = struct.pack("<Q", len(head)) + head
     hasher = xxhash.xxh3_128()
 
     def _write(tmp: str) -> None:
@@ -467,6 +461,35 @@ def write_safetensors(path: str, tensors: Mapping[str, torch.Tensor], metadata: 
 
     atomic_write(path, _write)
     return WrittenFile(path=path, bytes=len(prefix) + offset, checksum=hasher.hexdigest())
+
+
+def safetensors_prefix(
+    layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[str]]:
+    """The bytes :func:`write_safetensors` puts before the data of tensors of these dtypes and shapes.
+
+    Size estimates build it from shapes alone, so it must stay the one place the header is made.
+
+    Returns:
+        ``(length field + JSON header, tensor names in data order)``.
+    """
+    names = sorted(layout, key=lambda n: (-_itemsize(layout[n][0]), n))
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for name in names:
+        dtype, shape = layout[name]
+        nbytes = math.prod(shape) * _itemsize(dtype)
+        header[name] = {"dtype": _ST_OF[_storable(dtype)], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return struct.pack("<Q", len(head)) + head, names
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _write_hashed(f: BinaryIO, hasher: "xxhash.xxh3_128", data: bytes | memoryview) -> None:
@@ -531,6 +554,8 @@ class ShardFile:
         if view is None:
             dtype, shape, begin, end = self.entries[name]
             raw = self._buf[self.data_start + begin : self.data_start + end]
+            if (self.data_start + begin) % raw.new_empty((), dtype=dtype).element_size():
+                raw = raw.clone()  # valid safetensors need not be aligned (speccache's own files are): copy
             view = raw.view(dtype).reshape(shape) if raw.numel() else torch.empty(shape, dtype=dtype)
             self._views[name] = view
         return view
@@ -578,18 +603,30 @@ SHARD_META_INDEX = "shard_index"
 SHARD_META_SAMPLES = "num_samples"
 SHARD_META_ROWS = "num_rows"
 SHARD_META_CHECKSUMS = "xxh3_128"
+SHARD_META_ERROR = "encoding_error"
+"""Optional: JSON ``{key: {"sq_err", "sq_ref", "max"}}`` of each lossy key, so a resumed run still reports it."""
 
 
-def shard_metadata(shard_index: int, num_samples: int, num_rows: int, parts: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Safetensors metadata that makes a shard self-describing (version, index, counts, per-tensor checksums)."""
+def shard_metadata(
+    shard_index: int,
+    num_samples: int,
+    num_rows: int,
+    parts: Mapping[str, torch.Tensor],
+    encoding_error: Mapping[str, Mapping[str, float]] | None = None,
+) -> dict[str, str]:
+    """Safetensors metadata that makes a shard self-describing (version, index, counts, per-tensor checksums,
+    and the measured error of lossy keys when there are any)."""
     checksums = {name: tensor_checksum(t) for name, t in sorted(parts.items())}
-    return {
+    meta = {
         SHARD_META_FORMAT: str(FORMAT_VERSION),
         SHARD_META_INDEX: str(shard_index),
         SHARD_META_SAMPLES: str(num_samples),
         SHARD_META_ROWS: str(num_rows),
         SHARD_META_CHECKSUMS: json.dumps(checksums, sort_keys=True, separators=(",", ":")),
     }
+    if encoding_error:
+        meta[SHARD_META_ERROR] = json.dumps(encoding_error, sort_keys=True, separators=(",", ":"))
+    return meta
 
 
 def expected_parts(schema: Schema) -> set[str]:

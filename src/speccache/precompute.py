@@ -384,7 +384,8 @@ def _side_files_of(cache_dir: str) -> dict[str, Any]:
 
 
 def summary_line(manifest: dict[str, Any], seconds: float) -> str:
-    """The closing line of a run: samples, tokens, bytes per token, and the padded full-probability size for comparison."""
+    """The closing line of a run: samples, tokens, bytes per token, the padded full-probability size for comparison,
+    and the measured error of lossy keys."""
     stats = manifest.get("stats", {})
     total = int(manifest.get("total_bytes", 0)) + sum(int(r.get("bytes", 0)) for r in (manifest.get("side_files") or {}).values())
     tokens = int(manifest.get("num_tokens", 0)) or 1
@@ -395,6 +396,10 @@ def summary_line(manifest: dict[str, Any], seconds: float) -> str:
         f"speccache: {manifest['num_samples']} samples ({skipped} rows skipped), {manifest.get('num_tokens', 0)} tokens, "
         f"{_mb(total)} ({int(manifest.get('total_bytes', 0)) / tokens:.0f} bytes/token) in {seconds:.1f}s; "
         f"padded full-probability layout would take {_mb(padded)} ({ratio})"
+        + "".join(
+            f"; {key} error: relative RMS {e['rms']:.4f}, max {e['max']:.4f} of row amax"
+            for key, e in sorted((stats.get("encoding_error") or {}).items())
+        )
     )
 
 

@@ -11,6 +11,7 @@ The safetensors metadata makes each shard self-describing (see
 from __future__ import annotations
 
 import json
+import math
 from typing import Mapping
 
 import torch
@@ -80,15 +81,73 @@ def encode_shard(samples: Mapping[str, torch.Tensor], schema: Schema) -> tuple[i
     return n, (num_rows if ragged else 0), tensors
 
 
-def write_shard_file(path: str, shard_index: int, samples: Mapping[str, torch.Tensor], schema: Schema) -> tuple[WrittenFile, int, int]:
+def write_shard_file(
+    path: str, shard_index: int, samples: Mapping[str, torch.Tensor], schema: Schema
+) -> tuple[WrittenFile, int, int, dict[str, dict[str, float]]]:
     """Encode and write one native shard atomically.
 
     Returns:
-        ``(written file, num_samples, num_tokens)``.
+        ``(written file, num_samples, num_tokens, encoding error sums of its lossy keys)``
+        (see :func:`encoding_error_sums`).
     """
     n, tokens, tensors = encode_shard(samples, schema)
-    meta = shard_metadata(shard_index, n, tokens, tensors)
-    return write_safetensors(path, tensors, meta), n, tokens
+    errors = encoding_error_sums(samples, schema, tensors)
+    meta = shard_metadata(shard_index, n, tokens, tensors, errors)
+    return write_safetensors(path, tensors, meta), n, tokens, errors
+
+
+_ERROR_BLOCK_VALUES = 1 << 20
+
+
+def encoding_error_sums(
+    samples: Mapping[str, torch.Tensor], schema: Schema, tensors: Mapping[str, torch.Tensor]
+) -> dict[str, dict[str, float]]:
+    """Measure what a lossy key's readers will get against what was computed, for one shard.
+
+    Decodes the shard's parts once (a block of samples at a time, so a large shard
+    needs no second full-size copy) and compares with the original rows.
+
+    Args:
+        samples: the shard's input to :func:`encode_shard`.
+        schema: the key schema.
+        tensors: :func:`encode_shard`'s tensors of those samples.
+
+    Returns:
+        For each key with a lossy encoding: ``sq_err`` (sum of squared errors), ``sq_ref``
+        (sum of squared values) and ``max`` (largest ``|error| / amax(|row|)``, rows of
+        zeros counting against 1), the parts of :func:`speccache.encoding.fp8.fp8_error`
+        that add up across shards.
+    """
+    lossy = {name: spec for name, spec in schema.items() if not get_encoding(spec.encoding).lossless}
+    if not lossy:
+        return {}
+    n = int(samples[LENGTHS_KEY].shape[0]) if OFFSETS_KEY in tensors else int(samples[next(iter(schema))].shape[0])
+    names = set(tensors)
+    out: dict[str, dict[str, float]] = {}
+    for name, spec in lossy.items():
+        offsets = tensors[OFFSETS_KEY] if spec.ragged else torch.arange(n + 1, dtype=torch.int64)
+        parts = {sfx: tensors[part_name(name, sfx)] for sfx in _suffixes(names, name)}
+        rows = samples[name].detach().cpu()
+        width = max(1, math.prod(spec.shape))
+        sq_err = sq_ref = worst = 0.0
+        a = 0
+        while a < n:
+            b = a + 1
+            while b < n and int(offsets[b + 1] - offsets[a]) * width <= _ERROR_BLOCK_VALUES:
+                b += 1
+            r0, r1 = int(offsets[a]), int(offsets[b])
+            if r1 > r0:
+                x = rows[r0:r1].reshape(r1 - r0, -1).double()
+                diff = x - get_encoding(spec.encoding).decode(parts, offsets, a, b, spec.dtype).reshape(r1 - r0, -1).double()
+                sq_err += float(diff.square().sum())
+                sq_ref += float(x.square().sum())
+                if x.shape[1]:
+                    amax = x.abs().amax(dim=1)
+                    ratio = diff.abs().amax(dim=1) / torch.where(amax > 0, amax, torch.ones_like(amax))
+                    worst = max(worst, float(ratio.max()))
+            a = b
+        out[name] = {"sq_err": sq_err, "sq_ref": sq_ref, "max": worst}
+    return out
 
 
 class NativeShard:

@@ -4,7 +4,8 @@ It writes what an EAGLE-3 cache holds (ragged ``input_ids``, ``loss_mask``,
 ``hidden`` rows and a fixed ``sample_id``) from a seeded generator, through the
 same :class:`speccache.cache_writer.CacheWriter` lifecycle as the real
 producers. Tests, benchmarks and the crash harness use it where a model would
-only cost time; ``python -m speccache.synthetic OUT`` runs it as a process.
+only cost time; ``python -m speccache.synthetic OUT`` runs it as a process, and
+``torchrun --nproc_per_node N -m speccache.synthetic OUT`` as N ranks (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from speccache.cache_writer import CacheWriter
-from speccache.dist import Comm
+from speccache.dist import Comm, init_from_env, shutdown
 from speccache.format import LENGTHS_KEY, KeySpec, Schema
 from speccache.write import OverlappedShardWriter, compute_shard_runs
 
@@ -99,10 +100,10 @@ def write_synthetic_cache(
     writer = CacheWriter(
         out, cache_name="synthetic", schema=schema, shard_size=shard_size, num_samples=num_samples, config=config, resume=resume, comm=comm
     )
-    todo = writer.begin()
     loader = DataLoader(SyntheticSamples(num_samples, min_len, max_len, seed), batch_size=batch_size, collate_fn=collate_samples)
     compute = make_compute(hidden, torch.bfloat16, seed)
     ragged = [k for k, s in schema.items() if s.ragged]
+    todo = writer.begin()  # from here on, every exit path releases the lock (close or seal)
     try:
         if overlap:
             with OverlappedShardWriter(writer.shard_writer) as write_fn:
@@ -130,11 +131,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--encoding", default="raw")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--sync", action="store_true", help="write shards synchronously")
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="under torchrun: seconds a rank waits for the others (joining, and at each collective) before failing")
     a = p.parse_args(argv)
-    write_synthetic_cache(
-        a.out, num_samples=a.samples, shard_size=a.shard_size, batch_size=a.batch_size, hidden=a.hidden, max_len=a.max_len,
-        seed=a.seed, encoding=a.encoding, resume=a.resume, overlap=not a.sync,
-    )
+    comm = init_from_env(torch.device("cpu"), a.timeout)
+    try:
+        write_synthetic_cache(
+            a.out, num_samples=a.samples, shard_size=a.shard_size, batch_size=a.batch_size, hidden=a.hidden,
+            max_len=a.max_len, seed=a.seed, encoding=a.encoding, resume=a.resume, overlap=not a.sync, comm=comm,
+        )
+    finally:
+        shutdown(comm)
 
 
 if __name__ == "__main__":

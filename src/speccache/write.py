@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import numbers
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Callable, Collection, Iterable, Mapping
 
@@ -45,6 +46,7 @@ __all__ = [
     "write_tensor_shard",
     "NativeShardWriter",
     "ShardRecord",
+    "encoding_error_summary",
     "OverlappedShardWriter",
     "write_cache_shards",
     "write_cache_shards_distributed",
@@ -160,17 +162,49 @@ def write_tensor_shard(
 
 @dataclass(frozen=True)
 class ShardRecord:
-    """One row of the manifest's shard table."""
+    """One row of the manifest's shard table.
+
+    ``encoding_error`` holds the error sums of the shard's lossy keys
+    (:func:`speccache.shard.encoding_error_sums`); empty when there are none.
+    """
 
     index: int
     samples: int
     tokens: int
     bytes: int
     checksum: str
+    encoding_error: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The manifest entry."""
-        return {"index": self.index, "samples": self.samples, "tokens": self.tokens, "bytes": self.bytes, "xxh3_128": self.checksum}
+        row: dict[str, Any] = {
+            "index": self.index, "samples": self.samples, "tokens": self.tokens, "bytes": self.bytes, "xxh3_128": self.checksum
+        }
+        if self.encoding_error:
+            row["encoding_error"] = {k: dict(v) for k, v in self.encoding_error.items()}
+        return row
+
+
+def encoding_error_summary(shard_rows: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    """Whole-cache error of each lossy key from the shard table's per-shard sums.
+
+    Returns:
+        ``{key: {"rms": relative RMS error over every value, "max": largest error relative
+        to its row's amax}}``, as :func:`speccache.encoding.fp8.fp8_error` defines them;
+        empty when no shard recorded any.
+    """
+    totals: dict[str, list[float]] = {}
+    for row in shard_rows:
+        for key, sums in (row.get("encoding_error") or {}).items():
+            t = totals.setdefault(key, [0.0, 0.0, 0.0])
+            t[0] += float(sums["sq_err"])
+            t[1] += float(sums["sq_ref"])
+            t[2] = max(t[2], float(sums["max"]))
+    out = {}
+    for key, (sq_err, sq_ref, worst) in totals.items():
+        rms = math.sqrt(sq_err / sq_ref) if sq_ref > 0 else (0.0 if sq_err == 0 else math.inf)
+        out[key] = {"rms": rms, "max": worst}
+    return out
 
 
 class NativeShardWriter:
@@ -185,8 +219,8 @@ class NativeShardWriter:
         self.records: dict[int, ShardRecord] = {}
 
     def __call__(self, output_dir: str, shard_index: int, samples: Batch) -> str:
-        written, n, tokens = write_shard_file(shard_path(output_dir, shard_index), shard_index, samples, self.schema)
-        self.records[shard_index] = ShardRecord(shard_index, n, tokens, written.bytes, written.checksum)
+        written, n, tokens, errors = write_shard_file(shard_path(output_dir, shard_index), shard_index, samples, self.schema)
+        self.records[shard_index] = ShardRecord(shard_index, n, tokens, written.bytes, written.checksum, errors)
         return written.path
 
 

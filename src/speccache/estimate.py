@@ -1,0 +1,255 @@
+"""``speccache estimate``: the size a ``precompute`` would write, without loading the model weights.
+
+The plan (:func:`speccache.precompute.make_plan`) gives the samples exactly as a
+run would tokenize them (real tokenizer, chat template, truncation) and the
+schema from the model config; sizes follow from the shard layout:
+
+* ``raw`` and ``fp8`` parts have sizes fixed by the row counts, and each shard's
+  safetensors header is built by the writer's own code from those shapes, so the
+  estimate is exact apart from the digits of the measured fp8 error in the
+  shard metadata (a few bytes per shard).
+* ``zbf16`` stores the low byte of every value as it is (exact) and the high
+  byte (sign and top 7 exponent bits) entropy-coded, so only a range can be given
+  for it: :data:`ZBF16_HI_FRACTION` of the high plane's raw size.
+* The side file (embeddings, draft LM-head rows, vocabulary maps) is exact.
+
+The bounds of :data:`ZBF16_HI_FRACTION`, from measurements (``zbf16_plane_stats``,
+compressed high plane / its raw size): the demo target's aux and final hidden
+states 0.341-0.345; synthetic width-4096 bf16 activations: a plain Gaussian 0.336,
+Student-t (3 dof) 0.357, Gaussian with lognormal per-channel scales (sigma 0.7)
+and x50 outlier channels 0.376, Laplace with per-token scales 0.384, lognormal
+per-channel scales with sigma 1.5 (about 2 binades of scale spread) 0.442. The
+sign bit alone is 1/8 of the plane and a zero-mean Gaussian's exponent spans
+several binades at any scale, which is why no activation-like source came in
+under a third; the upper bound leaves room for wider scale spreads than any
+measured. Data outside that family (constant rows, or values spread over many
+more binades) can fall outside the range; the high plane never exceeds its raw
+size (zbf16 stores a chunk raw when zstd would not shrink it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from speccache.eagle3 import CACHE_NAME, SIDE_FILE
+from speccache.encoding import get_encoding, part_name
+from speccache.format import OFFSETS_KEY, KeySpec, Schema, safetensors_prefix, shard_metadata
+
+__all__ = ["ZBF16_HI_FRACTION", "key_parts", "estimate_shards", "side_file_bytes", "estimate_cache", "register_commands"]
+
+ZBF16_HI_FRACTION = (0.30, 0.50)
+"""Low and high bound of a zbf16 key's compressed high plane, as a fraction of its raw size (one byte per value)."""
+
+# Typical reprs of a shard's measured error sums: the header holds them as JSON text.
+_ERROR_PLACEHOLDER = {"max": 0.03821656050955414, "sq_err": 115.24556454832772, "sq_ref": 173069.4694921707}
+
+Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+def key_parts(spec: KeySpec, num_samples: int, num_rows: int, hi_bytes: int = 0) -> Layout:
+    """Dtypes and shapes of the parts ``spec``'s encoding writes for a shard.
+
+    Args:
+        spec: the key.
+        num_samples: samples in the shard.
+        num_rows: rows of a ragged key in the shard (ignored for a fixed key, which has one row per sample).
+        hi_bytes: size of a zbf16 key's compressed high plane.
+
+    Raises:
+        ValueError: an encoding this module does not know.
+    """
+    rows = num_rows if spec.ragged else num_samples
+    shape = (rows, *spec.shape)
+    if spec.encoding == "raw":
+        return {"": (spec.dtype, shape)}
+    if spec.encoding == "fp8":
+        return {"": (torch.float8_e4m3fn, shape), "scale": (torch.float32, (rows,))}
+    if spec.encoding == "zbf16":
+        return {"lo": (torch.uint8, shape), "hi": (torch.uint8, (hi_bytes,)), "hi_offsets": (torch.int64, (num_samples + 1,))}
+    raise ValueError(f"cannot estimate the size of encoding {spec.encoding!r} (key {spec.name!r})")
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def estimate_shards(schema: Schema, lengths: Sequence[int], shard_size: int, hi_fraction: float) -> dict[str, Any]:
+    """Bytes of the native shards holding samples of these lengths, in order.
+
+    Args:
+        schema: the key schema.
+        lengths: rows (tokens) of each sample.
+        shard_size: samples per shard.
+        hi_fraction: a zbf16 high plane's compressed size as a fraction of its raw size.
+
+    Returns:
+        ``keys`` (data bytes per key, as ``speccache inspect`` counts them),
+        ``overhead`` (headers and row offsets), ``total`` and ``num_shards``.
+    """
+    ragged = any(s.ragged for s in schema.values())
+    key_bytes = {name: 0 for name in schema}
+    overhead = 0
+    num_shards = 0
+    for index, start in enumerate(range(0, len(lengths), shard_size)):
+        n = min(shard_size, len(lengths) - start)
+        rows = int(sum(lengths[start : start + n])) if ragged else 0
+        layout: Layout = {OFFSETS_KEY: (torch.int64, (n + 1,))} if ragged else {}
+        for name, spec in schema.items():
+            width = math.prod(spec.shape) * (rows if spec.ragged else n)
+            for suffix, (dtype, shape) in key_parts(spec, n, rows, min(width, round(hi_fraction * width))).items():
+                layout[part_name(name, suffix)] = (dtype, shape)
+                key_bytes[name] += _nbytes(dtype, shape)
+        # The writer's metadata has the same fixed-length checksum strings for any data; empty tensors stand in.
+        stand_ins = {name: torch.empty(0, dtype=torch.uint8) for name in layout}
+        errors = {name: _ERROR_PLACEHOLDER for name, spec in schema.items() if not get_encoding(spec.encoding).lossless}
+        prefix, _ = safetensors_prefix(layout, shard_metadata(index, n, rows, stand_ins, errors))
+        overhead += len(prefix) + (_nbytes(*layout[OFFSETS_KEY]) if ragged else 0)
+        num_shards += 1
+    return {"keys": key_bytes, "overhead": overhead, "total": sum(key_bytes.values()) + overhead, "num_shards": num_shards}
+
+
+def side_file_bytes(vocab_size: int, draft_vocab_size: int, hidden_size: int, weight_dtype: torch.dtype) -> int:
+    """Bytes of the EAGLE-3 side file (``embed_tokens``, draft ``lm_head`` rows, vocabulary maps)."""
+    layout: Layout = {
+        "embed_tokens": (weight_dtype, (vocab_size, hidden_size)),
+        "lm_head": (weight_dtype, (draft_vocab_size, hidden_size)),
+        "selected_token_ids": (torch.int64, (draft_vocab_size,)),
+        "d2t": (torch.int64, (draft_vocab_size,)),
+        "t2d": (torch.bool, (vocab_size,)),
+    }
+    prefix, _ = safetensors_prefix(layout, {"speccache_side": CACHE_NAME})
+    return len(prefix) + sum(_nbytes(*v) for v in layout.values())
+
+
+def _weight_dtype(model_config: Any, model_dtype: str) -> torch.dtype:
+    from speccache.precompute import DTYPES
+
+    if model_dtype != "auto":
+        return DTYPES[model_dtype]
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    dtype = getattr(text, "dtype", None) or getattr(model_config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    # A checkpoint that records no dtype loads in torch's default.
+    return dtype if isinstance(dtype, torch.dtype) else torch.get_default_dtype()
+
+
+def estimate_cache(cfg: Any) -> dict[str, Any]:
+    """Predict the size of the cache ``precompute`` would write with ``cfg`` (a :class:`PrecomputeConfig`).
+
+    Loads the model config, tokenizer and data, never the weights.
+
+    Returns:
+        ``samples``, ``tokens``, ``num_shards``, ``keys`` (per key: ``encoding``,
+        ``bytes_low``/``bytes_high``, equal unless the key is zbf16), ``overhead_bytes``,
+        ``shard_bytes_low``/``_high``, ``side_file_bytes``, ``total_bytes_low``/``_high``
+        (shards and side file, as the precompute summary counts), ``bytes_per_token_low``/``_high``
+        (shards only, as ``inspect`` counts), ``padded_probs_bytes`` and ``zbf16_hi_fraction``.
+
+    Raises:
+        ValueError, DataError, FileNotFoundError: what ``precompute`` would reject before loading the model.
+    """
+    from speccache.precompute import DTYPES, make_plan, padded_probs_bytes
+
+    plan = make_plan(cfg)
+    lengths = [len(s.input_ids) for s in plan.samples]
+    low = estimate_shards(plan.schema, lengths, cfg.shard_size, ZBF16_HI_FRACTION[0])
+    high = estimate_shards(plan.schema, lengths, cfg.shard_size, ZBF16_HI_FRACTION[1])
+    side = side_file_bytes(plan.vocab_size, plan.draft_vocab_size, plan.hidden_size, _weight_dtype(plan.model_config, cfg.model_dtype))
+    tokens = sum(lengths)
+    itemsize = torch.empty((), dtype=DTYPES[cfg.dtype]).element_size()
+    return {
+        "model": cfg.model,
+        "data": cfg.data,
+        "samples": len(lengths),
+        "tokens": tokens,
+        "max_length": cfg.max_length,
+        "shard_size": cfg.shard_size,
+        "num_shards": low["num_shards"],
+        "keys": {
+            name: {
+                "dtype": spec.to_json()["dtype"],
+                "shape": list(spec.shape),
+                "encoding": spec.encoding,
+                "bytes_low": low["keys"][name],
+                "bytes_high": high["keys"][name],
+            }
+            for name, spec in plan.schema.items()
+        },
+        "overhead_bytes": low["overhead"],
+        "shard_bytes_low": low["total"],
+        "shard_bytes_high": high["total"],
+        "side_file": SIDE_FILE,
+        "side_file_bytes": side,
+        "total_bytes_low": low["total"] + side,
+        "total_bytes_high": high["total"] + side,
+        "bytes_per_token_low": low["total"] / tokens,
+        "bytes_per_token_high": high["total"] / tokens,
+        "padded_probs_bytes": padded_probs_bytes(len(lengths), cfg.max_length, plan.hidden_size, plan.draft_vocab_size, itemsize),
+        "zbf16_hi_fraction": list(ZBF16_HI_FRACTION),
+    }
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit == 'GB' else 1}f} {unit}"
+    return f"{int(n)} B"
+
+
+def _span(lo: float, hi: float, fmt: Any = _size) -> str:
+    return fmt(lo) if lo == hi else f"{fmt(lo)} - {fmt(hi)}"
+
+
+def format_estimate(est: Mapping[str, Any]) -> str:
+    """The human-readable report of :func:`estimate_cache`."""
+    tokens = est["tokens"]
+    per_token = lambda b: f"{b / tokens:.1f}"  # noqa: E731
+    lines = [
+        f"estimate   {est['samples']} samples, {tokens} tokens (max length {est['max_length']}) "
+        f"in {est['num_shards']} shards of {est['shard_size']}",
+        f"{'key':<20} {'dtype':<10} {'shape':<10} {'encoding':<9} {'bytes':>21} {'B/token':>13}",
+    ]
+    for name, k in est["keys"].items():
+        lines.append(
+            f"{name:<20} {k['dtype']:<10} {str(k['shape']):<10} {k['encoding']:<9} "
+            f"{_span(k['bytes_low'], k['bytes_high']):>21} {_span(k['bytes_low'], k['bytes_high'], per_token):>13}"
+        )
+    lines.append(f"{'headers, offsets':<51} {_size(est['overhead_bytes']):>21} {per_token(est['overhead_bytes']):>13}")
+    exact = est["shard_bytes_low"] == est["shard_bytes_high"]
+    lo, hi = est["zbf16_hi_fraction"]
+    lines += [
+        f"shards     {_span(est['shard_bytes_low'], est['shard_bytes_high'])} "
+        f"({_span(est['bytes_per_token_low'], est['bytes_per_token_high'], lambda b: f'{b:.1f}')} bytes/token)"
+        + ("" if exact else f"; zbf16 high bytes taken as {lo:.0%}-{hi:.0%} of their raw size"),
+        f"side file  {est['side_file']}: {_size(est['side_file_bytes'])}",
+        f"total      {_span(est['total_bytes_low'], est['total_bytes_high'])}",
+        f"padded full-probability layout would take {_size(est['padded_probs_bytes'])} "
+        f"({_span(est['padded_probs_bytes'] / est['total_bytes_high'], est['padded_probs_bytes'] / est['total_bytes_low'], lambda r: f'{r:.1f}x')} "
+        "the size of this cache)",
+    ]
+    return "\n".join(lines)
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """Run ``speccache estimate``."""
+    from speccache.precompute import PrecomputeConfig
+
+    est = estimate_cache(PrecomputeConfig.from_args(args))
+    print(json.dumps(est, indent=2) if args.json else format_estimate(est))
+    return 0
+
+
+def register_commands(sub: Any) -> None:
+    """Add ``estimate`` to the CLI."""
+    from speccache.precompute import add_precompute_arguments
+
+    p = sub.add_parser("estimate", help="predict a precompute's cache size without loading the model weights")
+    add_precompute_arguments(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_estimate)
