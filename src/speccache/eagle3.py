@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
 
-from speccache.format import LENGTHS_KEY, KeySpec, Schema, load_manifest_json, manifest_path
+from speccache.format import LENGTHS_KEY, KeySpec, Schema, ShardFile
 from speccache.read import CacheDataset, PadCollator, Sample
 
 CACHE_NAME = "eagle3"
@@ -390,8 +390,6 @@ class TargetHead(nn.Module):
     @classmethod
     def from_cache(cls, cache_dir: str, device: torch.device | str | None = None) -> "TargetHead":
         """Build the head from a cache directory's side file."""
-        from speccache.format import ShardFile
-
         side = ShardFile(_side_path(cache_dir))
         head = cls(side.tensor("lm_head").clone(), side.tensor("selected_token_ids").clone())
         return head.to(device) if device is not None else head
@@ -408,8 +406,3 @@ class TargetHead(nn.Module):
         probs = torch.softmax(logits.float(), dim=-1)
         mask = loss_mask.bool() if in_draft is None else loss_mask.bool() & in_draft.bool()
         return probs, mask
-
-
-def cache_config(cache_dir: str) -> dict[str, Any]:
-    """The producer configuration recorded in an EAGLE-3 cache's manifest."""
-    return dict(load_manifest_json(manifest_path(cache_dir)).get("config", {}))

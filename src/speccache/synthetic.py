@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -104,14 +105,10 @@ def write_synthetic_cache(
     compute = make_compute(hidden, torch.bfloat16, seed)
     ragged = [k for k, s in schema.items() if s.ragged]
     todo = writer.begin()  # from here on, every exit path releases the lock (close or seal)
+    sync = writer.comm.max_int if writer.comm.world_size > 1 else None
     try:
-        if overlap:
-            with OverlappedShardWriter(writer.shard_writer) as write_fn:
-                compute_shard_runs(loader, out, shard_size, todo, compute, write_fn, log, ragged_keys=ragged,
-                                   sync_max_steps=writer.comm.max_int if writer.comm.world_size > 1 else None)
-        else:
-            compute_shard_runs(loader, out, shard_size, todo, compute, writer.shard_writer, log, ragged_keys=ragged,
-                               sync_max_steps=writer.comm.max_int if writer.comm.world_size > 1 else None)
+        with OverlappedShardWriter(writer.shard_writer) if overlap else nullcontext(writer.shard_writer) as write_fn:
+            compute_shard_runs(loader, out, shard_size, todo, compute, write_fn, log, ragged_keys=ragged, sync_max_steps=sync)
     except BaseException:
         writer.close()
         raise
