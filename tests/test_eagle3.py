@@ -45,6 +45,7 @@ RUNS = {
     "llama_bs1": ("llama", ["--batch-size", "1", "--shard-size", "3", "--dtype", "fp32", "--draft-vocab-size", "300"]),
     "qwen3_bs1": ("qwen3", ["--batch-size", "1", "--shard-size", "4", "--dtype", "fp32", "--aux-layers", "0,2,6"]),
     "mistral_bs1": ("mistral", ["--batch-size", "1", "--shard-size", "4", "--dtype", "fp32", "--aux-layers", "2,4,7"]),
+    "llama_bf16_bs1": ("llama", ["--batch-size", "1", "--shard-size", "8", "--dtype", "bf16"]),
     "llama_topk_bs1": ("llama", ["--batch-size", "1", "--shard-size", "4", "--dtype", "fp32", "--supervision", "topk:8"]),
     # batch size 4 (right-padded batches)
     "llama_bs4": ("llama", ["--batch-size", "4", "--shard-size", "4", "--dtype", "fp32"]),
@@ -238,8 +239,10 @@ def test_batched_fp32_equals_live_forward_within_tolerance(runs, live):
     for i, o in enumerate(lv.outputs):
         got = ds[i]
         aux = lv.aux(i, [1, 3, 4])
-        # Padding a sample into a longer batch changes the matmul shapes (and so the reduction order of the
-        # CPU kernels), so batched features may differ from a lone forward in the last bits: tolerance, not equality.
+        # Not exact: padding a sample into a longer batch changes the shapes of the matmuls and of the masked
+        # attention (an explicit padding mask instead of the plain causal path), hence the floating-point
+        # reduction order. Observed on CPU: padded samples differ from a lone forward by ~2e-6 (values up to ~5);
+        # the longest sample of each batch happened to be bit-identical. So: a tight tolerance, not equality.
         torch.testing.assert_close(got["aux_hidden_states"], aux, atol=1e-5, rtol=0)
         torch.testing.assert_close(got["last_hidden_state"], o["last"], atol=1e-5, rtol=0)
         with torch.no_grad():
@@ -248,8 +251,9 @@ def test_batched_fp32_equals_live_forward_within_tolerance(runs, live):
     print(f"batched fp32 features bit-identical to lone forwards: {exact}")
 
 
-def test_bf16_storage_is_the_fp32_result_rounded(runs, live):
-    out = runs("llama_bf16_bs4")
+@pytest.mark.parametrize("name, max_ulps", [("llama_bf16_bs1", 0), ("llama_bf16_bs4", 1)])
+def test_bf16_storage_is_the_fp32_result_rounded(runs, live, name, max_ulps):
+    out = runs(name)
     lv = live("llama")
     ds = Eagle3CacheDataset(out)
     _check_tokens(ds, lv)
@@ -259,12 +263,12 @@ def test_bf16_storage_is_the_fp32_result_rounded(runs, live):
         got = ds[i]
         for key, want in (("aux_hidden_states", lv.aux(i, [1, 3, 4])), ("last_hidden_state", o["last"])):
             assert got[key].dtype == torch.bfloat16
-            # Batched (right-padded) forwards may differ from a lone one in the last fp32 bits (see above),
-            # which can move the bf16 rounding by one step; never more.
+            # Batch size 1: exactly the fp32 result rounded to bf16. Batched (right-padded) forwards may differ
+            # from a lone one in the last fp32 bits (see above), which can move the rounding by one bf16 step.
             ulps = _bf16_ulps(got[key], want.to(torch.bfloat16))
-            assert int(ulps.max()) <= 1, key
+            assert int(ulps.max()) <= max_ulps, key
             worst = max(worst, int(ulps.max()))
-    print(f"bf16 batched features: worst distance {worst} bf16 ulp(s)")
+    print(f"{name}: worst distance {worst} bf16 ulp(s)")
 
 
 # ---------------------------------------------------------------------------

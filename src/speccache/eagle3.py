@@ -325,8 +325,8 @@ class Eagle3CacheDataset(CacheDataset):
     def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
         return [self._finish(s) for s in super().__getitems__(indices)]
 
-    def __getitem__(self, index: int) -> Sample:
-        return self._finish(super().__getitem__(index))
+    # No __getitem__ override: CacheDataset.__getitem__ goes through __getitems__, which already finishes
+    # the sample; finishing twice dropped in_draft from position_mask and raised KeyError on topk caches.
 
     def collator(self, pin_memory: bool | None = None) -> PadCollator:
         """The padding collator of this cache's samples (adds ``attention_mask`` and ``lengths``)."""

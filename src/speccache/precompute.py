@@ -190,12 +190,16 @@ def make_plan(cfg: PrecomputeConfig) -> Plan:
     """Load the model config and tokenizer, read the data, and decide the schema; the model is not loaded.
 
     Raises:
+        FileNotFoundError: the model config cannot be loaded from ``--model``.
         ValueError: aux layers, draft vocab size or encodings do not fit the model.
         DataError: the data has no usable row, or a malformed row.
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    model_config = AutoConfig.from_pretrained(cfg.model)
+    try:
+        model_config = AutoConfig.from_pretrained(cfg.model)
+    except OSError as exc:  # a missing "dir/name" path looks like a hub id; a directory may lack config.json
+        raise FileNotFoundError(f"--model {cfg.model}: no model directory or loadable model config there ({exc})") from exc
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     num_layers = int(text_config.num_hidden_layers)
     aux = check_aux_layers(cfg.aux_layers if cfg.aux_layers is not None else default_aux_layers(num_layers), num_layers)
