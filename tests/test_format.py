@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import json
 import logging
+import multiprocessing
 import os
 import pickle
 import struct
@@ -450,7 +451,7 @@ def test_collators_on_cache_samples_equal_collating_copies(mixed_cache):
 # __getitems__, pickling, workers, LRU, start-up
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(indices=st.lists(st.integers(-len(LENGTHS), len(LENGTHS) - 1), max_size=25))
 def test_getitems_equals_per_item_getitem_in_any_order(mixed_cache, indices):
     cache_dir, schema, _, _ = mixed_cache
@@ -496,6 +497,9 @@ def test_dataset_works_in_dataloader_workers_of_every_start_method(mixed_cache, 
     collate = PadCollator(ds.ragged_keys, pad_values={"ragged_bool": False})
     picked = [{k: s[k] for k in ds.keys} for s in samples]
     expected = [collate(picked[a : a + 3]) for a in range(0, len(samples), 3)]
+    if context == "forkserver":
+        # Workers fork from the server: let it import speccache (and torch) once rather than once per worker.
+        multiprocessing.get_context("forkserver").set_forkserver_preload(["speccache.read"])
     loader = DataLoader(ds, batch_size=3, num_workers=2, multiprocessing_context=context, collate_fn=collate)
     got = list(loader)
     assert len(got) == len(expected)
@@ -530,8 +534,11 @@ def test_open_shards_are_bounded_by_max_open_shards(mixed_cache, monkeypatch):
 def test_start_up_on_ten_thousand_shards_lists_the_directory_once_and_opens_no_shard(tmp_path, monkeypatch):
     n = 10_000
     schema = {"ids": KeySpec("ids", torch.int32, (), ragged=True)}
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
     for i in range(n):
-        open(shard_path(str(tmp_path), i), "wb").close()  # empty: opening one would fail
+        os.link(empty, shard_path(str(tmp_path), i))  # empty: opening one would fail; links are quick to make
+    empty.unlink()
     manifest = {
         "format_version": FORMAT_VERSION, "cache_name": "tiny", "keys": schema_to_json(schema), "shard_size": 2,
         "num_samples": 2 * n, "config": {}, "complete": True,
@@ -564,3 +571,27 @@ def test_start_up_on_ten_thousand_shards_lists_the_directory_once_and_opens_no_s
     assert not [p for p in opened if "shard-" in p]
     with pytest.raises(CacheCorruptError):
         ds[2 * n - 1]  # the (empty) shard is only opened on first use
+
+
+# ---------------------------------------------------------------------------
+# docs/format.md stays in step with what the code writes
+
+
+def test_format_doc_names_every_manifest_field_metadata_key_and_dtype(mixed_cache):
+    from pathlib import Path
+
+    from speccache.format import _DTYPES
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
+    cache_dir, _, _, manifest = mixed_cache
+    assert f"**`format_version` {FORMAT_VERSION}**" in doc
+    for field in manifest:
+        assert f"`{field}`" in doc, f"manifest field {field} is not documented"
+    for field in manifest["shards"][0]:
+        assert f'"{field}"' in doc, f"shard table field {field} is not documented"
+    for key in ShardFile(shard_path(cache_dir, 0)).metadata:
+        assert f"`{key}`" in doc, f"shard metadata key {key} is not documented"
+    for name, (_, st_name) in _DTYPES.items():
+        assert f"| `{name}` | `{st_name}` |" in doc, name
+    for marker in ("`__offsets__`", ".speccache.lock", ".tmp-", "XXH3-128", "`raw`", "`fp8`", "`zbf16`"):
+        assert marker in doc, marker

@@ -15,7 +15,6 @@ import inspect
 import json
 import logging
 import os
-import re
 import sys
 import types
 from pathlib import Path
@@ -739,6 +738,16 @@ def test_dataloader_from_sample_past_the_end_is_empty(start):
     assert ds.accessed == []
 
 
+def test_dataloader_from_sample_past_the_end_starts_no_worker_processes():
+    # As the seed: an empty loader needs no workers (starting them would cost a process per worker for nothing).
+    ds = RecordingDataset(5)
+    collate = lambda items: items  # noqa: E731
+    loader = DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context="spawn", collate_fn=collate)
+    resumed = oc.dataloader_from_sample(loader, 5)
+    assert resumed.num_workers == 0 and resumed.batch_size == 2 and resumed.collate_fn is collate
+    assert list(resumed) == [] and ds.accessed == []
+
+
 def test_dataloader_from_sample_reads_only_from_start_in_order_with_the_same_batching():
     ds = RecordingDataset(10)
 
@@ -952,3 +961,149 @@ def test_write_cache_shards_distributed_matches_the_seed(seed, world):
         assert ours.order == theirs.order
         for i in ours.order:
             assert_samples_equal(ours.shards[i], theirs.shards[i])
+
+
+# ---------------------------------------------------------------------------
+# subclasses written against the seed's dataset (as the seed's own EAGLE-3 reader is)
+
+
+class TopKDataset(oc.CachedTensorDataset):
+    """A subclass in the seed's style: its own ``__getitem__`` built on ``_handle``/``_disk_keys``."""
+
+    def __init__(self, cache_dir: str) -> None:
+        self.width = 6  # set before super().__init__, as seed subclasses do
+        super().__init__(cache_dir=cache_dir, cache_name="EAGLE-3", format_version=VERSION, disk_keys=("input_ids", "values", "indices"))
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if index < 0:
+            index += self.num_samples
+        if not 0 <= index < self.num_samples:
+            raise IndexError(index)
+        handle = self._handle(index // self.shard_size)
+        sample = {key: handle.get_slice(key)[index % self.shard_size] for key in self._disk_keys}
+        full = torch.zeros(self.width)
+        sample["probs"] = full.scatter_(0, sample.pop("indices").long(), sample.pop("values"))
+        return sample
+
+
+@pytest.fixture
+def topk_cache(tmp_path):
+    n = 5
+    samples = {
+        "input_ids": torch.arange(n * 2).reshape(n, 2),
+        "values": torch.tensor([[0.75, 0.25]] * n),
+        "indices": torch.tensor([[i % 6, (i + 1) % 6] for i in range(n)], dtype=torch.int32),
+    }
+    for index, start in enumerate(range(0, n, 2)):
+        oc.write_tensor_shard(str(tmp_path), index, {k: v[start : start + 2] for k, v in samples.items()}, tuple(samples), "EAGLE-3")
+    oc.write_manifest(str(tmp_path), {"num_samples": n, "shard_size": 2}, VERSION)
+    return str(tmp_path)
+
+
+def _expected_probs(i: int) -> list[float]:
+    full = [0.0] * 6
+    full[i % 6] = 0.75
+    full[(i + 1) % 6] = 0.25
+    return full
+
+
+def test_a_seed_style_subclass_reads_through_handle_and_disk_keys(topk_cache):
+    ds = TopKDataset(topk_cache)
+    assert ds._disk_keys == ("input_ids", "values", "indices")
+    for i in range(5):
+        sample = ds[i]
+        assert set(sample) == {"input_ids", "probs"}
+        assert sample["input_ids"].tolist() == [2 * i, 2 * i + 1]
+        assert sample["probs"].tolist() == _expected_probs(i)
+    handle = ds._handle(1)
+    assert set(handle.keys()) == {"input_ids", "values", "indices"}
+    assert handle.get_tensor("input_ids").tolist() == [[4, 5], [6, 7]]
+    assert handle.get_slice("values").get_shape() == [2, 2]
+    ds._handle(0).get_slice("input_ids")[0].fill_(-1)  # what a handle returns is the caller's to change
+    assert ds[0]["input_ids"].tolist() == [0, 1]
+
+
+def test_a_seed_style_subclass_overriding_getitem_is_used_by_batched_dataloaders(topk_cache):
+    ds = TopKDataset(topk_cache)
+    keys = ("input_ids", "probs")
+    loader = oc.build_cached_dataloader(ds, 2, False, lambda items: oc.collate_cached(items, keys))
+    batches = list(loader)
+    assert [b["probs"].tolist() for b in batches] == [[_expected_probs(0), _expected_probs(1)], [_expected_probs(2), _expected_probs(3)], [_expected_probs(4)]]
+    assert ds.__getitems__([4, 0])[0]["probs"].tolist() == _expected_probs(4)
+
+
+WHEEL = SEED_PATH.parents[4] / "nemo_automodel-0.7.0-py3-none-any.whl" if len(SEED_PATH.parents) > 4 else None
+
+
+@pytest.mark.skipif(WHEEL is None or not WHEEL.is_file(), reason="no NeMo AutoModel wheel next to the seed")
+@pytest.mark.parametrize("topk", [None, 2])
+def test_the_seed_eagle3_reader_runs_unchanged_on_speccache(monkeypatch, tmp_path, topk):
+    """NeMo's own ``eagle3_cache`` module, its offline_cache import switched to speccache, writes and reads a cache."""
+    import zipfile
+
+    source = zipfile.ZipFile(WHEEL).read("nemo_automodel/components/datasets/llm/eagle3_cache.py").decode()
+    monkeypatch.setitem(sys.modules, "nemo_automodel.components.datasets.llm.offline_cache", oc)
+    module = types.ModuleType("_seed_eagle3_cache")
+    exec(compile(source, "eagle3_cache.py", "exec"), module.__dict__)
+
+    n, seq, vocab = 5, 3, 7
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(n, seq, vocab, generator=g), -1)
+    common = {
+        "input_ids": torch.randint(0, 100, (n, seq), generator=g),
+        "attention_mask": torch.ones(n, seq, dtype=torch.int64),
+        "loss_mask": torch.ones(n, seq, dtype=torch.int64),
+        "aux_hidden_states": torch.randn(n, seq, 12, generator=g).to(torch.bfloat16),
+        "position_mask": torch.ones(n, seq, 1, dtype=torch.bool),
+    }
+    if topk:
+        values, indices = module.compress_target_probs(probs, topk)
+        stored = {**common, "target_probs_values": values, "target_probs_indices": indices}
+        expected_probs = module.reconstruct_target_probs(values, indices, vocab)
+    else:
+        stored = {**common, "target_probs": probs}
+        expected_probs = probs
+    cache = str(tmp_path)
+    for index, start in enumerate(range(0, n, 2)):
+        module.write_shard(cache, index, {k: v[start : start + 2] for k, v in stored.items()})
+    module.write_manifest(cache, {"num_samples": n, "shard_size": 2, "draft_vocab_size": vocab, "target_probs_topk": topk})
+    module.write_target_embeddings(cache, torch.randn(4, 3))
+
+    ds = module.CachedEagle3Dataset(cache)
+    assert ds.manifest["draft_vocab_size"] == vocab
+    for i in (0, 3, -1):
+        sample = ds[i]
+        assert set(sample) == set(module.CACHE_KEYS)
+        assert torch.equal(sample["target_probs"], expected_probs[i])
+        assert torch.equal(sample["aux_hidden_states"], common["aux_hidden_states"][i])
+    loader = module.build_cached_eagle3_dataloader(cache_dir=cache, batch_size=2, shuffle=False)
+    got = torch.cat([b["target_probs"] for b in loader])
+    assert torch.equal(got, expected_probs)
+    assert module.read_target_embeddings(cache).shape == (4, 3)
+
+
+def test_subclasses_overriding_getitem_or_getitems_compose_without_recursion(topk_cache):
+    class Plus(oc.CachedTensorDataset):  # __getitem__ on top of the parent's
+        def __getitem__(self, index):
+            sample = super().__getitem__(index)
+            sample["input_ids"] = sample["input_ids"] + 1000
+            return sample
+
+    class Finish(oc.CachedTensorDataset):  # __getitems__ on top of the parent's; ds[i] goes through it too
+        def __getitems__(self, indices):
+            return [{**s, "input_ids": s["input_ids"] + 2000} for s in super().__getitems__(indices)]
+
+    class Both(Finish):
+        def __getitem__(self, index):
+            sample = super().__getitem__(index)
+            sample["extra"] = torch.tensor(index)
+            return sample
+
+    args = (topk_cache, "EAGLE-3", VERSION, ("input_ids",))
+    plus, finish, both = Plus(*args), Finish(*args), Both(*args)
+    assert plus[1]["input_ids"].tolist() == [1002, 1003]
+    assert [s["input_ids"].tolist() for s in plus.__getitems__([1, 0])] == [[1002, 1003], [1000, 1001]]
+    assert finish[1]["input_ids"].tolist() == [2002, 2003]
+    assert [s["input_ids"].tolist() for s in finish.__getitems__([2])] == [[2004, 2005]]
+    assert both[3]["input_ids"].tolist() == [2006, 2007] and int(both[3]["extra"]) == 3
+    assert [s["input_ids"].tolist() for s in both.__getitems__([3])] == [[2006, 2007]]

@@ -45,6 +45,10 @@ OFFSETS_KEY = "__offsets__"
 LENGTHS_KEY = "__lengths__"
 """In-memory batch entry: int64 ``[n]`` per-sample lengths of the ragged keys."""
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_ELEMENTS = 2**62
+"""Bound on a tensor's element count (of its non-zero dimensions): beyond it torch's strides overflow."""
+MAX_SHARDS = 1_000_000
+"""Shard names have six digits."""
 
 _DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "float64": (torch.float64, "F64"),
@@ -249,13 +253,48 @@ def load_manifest_json(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
             manifest = json.loads(f.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise CacheFormatError(
             f"cache manifest {path} is not valid JSON ({exc}). Restore it or re-run the producer with --resume."
         ) from None
     if not isinstance(manifest, dict):
         raise CacheFormatError(f"cache manifest {path} must hold a JSON object, found {type(manifest).__name__}")
     return manifest
+
+
+def manifest_counts(manifest: Mapping[str, Any], where: str) -> tuple[int, int]:
+    """A manifest's ``(shard_size, num_samples)``, checked.
+
+    Raises:
+        CacheFormatError: missing or not integers, out of range, or more shards than six-digit names allow.
+    """
+    try:
+        shard_size, num_samples = int(manifest["shard_size"]), int(manifest["num_samples"])
+    except (KeyError, TypeError, ValueError, OverflowError):
+        raise CacheFormatError(f"{where}: needs integer 'shard_size' and 'num_samples'") from None
+    if shard_size < 1 or num_samples < 0:
+        raise CacheFormatError(f"{where}: shard_size must be >= 1 and num_samples >= 0")
+    if -(-num_samples // shard_size) > MAX_SHARDS:
+        raise CacheFormatError(f"{where}: {num_samples} samples in shards of {shard_size} need more than {MAX_SHARDS} shards")
+    return shard_size, num_samples
+
+
+def shard_table(manifest: Mapping[str, Any], where: str) -> dict[int, dict[str, Any]]:
+    """A native manifest's shard table by index (empty when it has none yet).
+
+    Raises:
+        CacheFormatError: ``shards`` is not a list of objects with distinct integer ``index`` values.
+    """
+    rows = manifest.get("shards", [])
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and type(r.get("index")) is int for r in rows):
+        raise CacheFormatError(
+            f"{where}: 'shards' must be a list of objects with an integer 'index'. "
+            "Restore the manifest, or re-run the producer with --resume to rewrite it."
+        )
+    table = {r["index"]: r for r in rows}
+    if len(table) != len(rows):
+        raise CacheFormatError(f"{where}: the shard table lists an index twice. Re-run the producer with --resume to rewrite it.")
+    return table
 
 
 def default_producer_name(cache_name: str) -> str:
@@ -338,6 +377,8 @@ class KeySpec:
         get_encoding(self.encoding).check_dtype(self.name, self.dtype)
         if any(not isinstance(d, int) or d < 0 for d in self.shape):
             raise ValueError(f"key {self.name!r}: shape {self.shape} must be non-negative integers")
+        if math.prod(self.shape) >= MAX_ELEMENTS:
+            raise ValueError(f"key {self.name!r}: shape {self.shape} has too many elements per row")
 
     def to_json(self) -> dict[str, Any]:
         """The key's manifest entry."""
@@ -358,7 +399,7 @@ class KeySpec:
                 ragged=bool(entry["ragged"]),
                 encoding=str(entry.get("encoding", "raw")),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise CacheFormatError(f"malformed key schema entry for {name!r}: {entry!r} ({exc})") from None
 
 
@@ -525,7 +566,7 @@ class ShardFile:
                 )
             try:
                 header = json.loads(f.read(header_len))
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
                 raise CacheCorruptError(f"{path}: safetensors header is not valid JSON ({exc})") from None
             if not isinstance(header, dict):
                 raise CacheCorruptError(f"{path}: safetensors header is not a JSON object")
@@ -572,8 +613,10 @@ def _check_entries(path: str, header: dict[str, Any], data_len: int) -> dict[str
             dtype = _BY_ST[info["dtype"]]
             shape = tuple(int(d) for d in info["shape"])
             begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             raise CacheCorruptError(f"{path}: malformed header entry for tensor {name!r}: {info!r}") from None
+        if math.prod(d for d in shape if d) >= MAX_ELEMENTS:  # an empty tensor's other dimensions still make strides
+            raise CacheCorruptError(f"{path}: tensor {name!r} header says shape {list(shape)}, which no tensor can have")
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if min(shape, default=0) < 0 or begin < 0 or end - begin != nbytes:
             raise CacheCorruptError(f"{path}: tensor {name!r} header says shape {list(shape)} but spans bytes [{begin}, {end})")

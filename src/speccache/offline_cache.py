@@ -25,9 +25,11 @@ from torch.utils.data.distributed import DistributedSampler
 from speccache.format import (
     MANIFEST_NAME,
     SHARD_RE,
+    ShardFile,
     atomic_write,
     existing_shard_indices,
     manifest_path,
+    num_shards,
     read_manifest,
     shard_path,
     validate_contiguous_shards,
@@ -129,6 +131,45 @@ class CachedTensorDataset(CacheDataset):
 
     def __init__(self, cache_dir: str, cache_name: str, format_version: int, disk_keys: tuple[str, ...]) -> None:
         super().__init__(cache_dir, keys=tuple(disk_keys), cache_name=cache_name, format_version=format_version)
+        # The seed's attributes, which its subclasses (e.g. the EAGLE-3 reader) build on.
+        self._disk_keys = tuple(disk_keys)
+        self._shard_indices = list(range(num_shards(self.num_samples, self.shard_size)))
+
+    def _handle(self, shard_index: int) -> "_ShardHandle":
+        """The open shard ``shard_index`` with the read interface of a ``safetensors.safe_open`` handle (the seed's)."""
+        return _ShardHandle(self._shard(shard_index).file)
+
+
+class _ShardHandle:
+    """What seed subclasses use of a ``safe_open`` handle; every tensor returned is a copy the caller owns."""
+
+    def __init__(self, file: ShardFile) -> None:
+        self._file = file
+
+    def keys(self) -> list[str]:
+        return list(self._file.keys())
+
+    def metadata(self) -> dict[str, str]:
+        return dict(self._file.metadata)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self._file.tensor(name).clone()
+
+    def get_slice(self, name: str) -> "_TensorSlice":
+        return _TensorSlice(self._file.tensor(name))
+
+
+class _TensorSlice:
+    """``handle.get_slice(name)``: index it to read part of a tensor."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self._tensor[index].clone()
+
+    def get_shape(self) -> list[int]:
+        return list(self._tensor.shape)
 
 
 def collate_cached(features: list[dict[str, torch.Tensor]], keys: tuple[str, ...]) -> dict[str, torch.Tensor]:

@@ -4,15 +4,21 @@
 are opened (one ``mmap`` each) on first use in each process, kept in an LRU of
 ``max_open_shards``, and never pickled, so DataLoader workers of any start
 method each open their own. ``__getitems__`` (used by the DataLoader for a whole
-batch) returns zero-copy views grouped by shard; the collators then copy each
-byte once into the batch tensors.
+batch) returns :class:`SampleView` objects, which only record where each sample
+lies; the collators then read each sample's bytes once, straight from the shard
+file into the batch tensors (``pread`` rather than copying from the mapping:
+faulting a fresh mapping in costs as much as the copy itself, and the reads of
+a batch are announced to the kernel first so that cold ones proceed in parallel).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 from collections import OrderedDict
-from typing import Any, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Collection, Iterable, Iterator, Mapping, MutableMapping, Sequence
 
 import torch
 from torch.utils.data import Dataset, get_worker_info
@@ -24,19 +30,22 @@ from speccache.format import (
     Schema,
     check_cache_name,
     ShardFile,
+    bytes_view,
     existing_shard_indices,
     file_checksum,
+    manifest_counts,
     num_shards,
     read_manifest,
     schema_from_json,
     shard_path,
+    shard_table,
     validate_contiguous_shards,
 )
 from speccache.shard import NativeShard, verify_tensor_checksums
 
 Sample = dict[str, torch.Tensor]
 
-__all__ = ["CacheDataset", "PadCollator", "PackCollator", "Sample"]
+__all__ = ["CacheDataset", "PadCollator", "PackCollator", "Sample", "SampleView"]
 
 
 class _SeedShard:
@@ -61,6 +70,104 @@ class _SeedShard:
 
     def rows(self, name: str, start: int, end: int) -> torch.Tensor:
         return self.file.tensor(name)[start:end]
+
+
+@dataclass(frozen=True)
+class _KeyInfo:
+    """How one key's samples are laid out: ``shape`` is per row of a ragged key, per sample of a fixed one."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    ragged: bool
+    row_bytes: int
+
+
+def _key_info(dtype: torch.dtype, shape: tuple[int, ...], ragged: bool) -> _KeyInfo:
+    return _KeyInfo(dtype, tuple(shape), ragged, math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+
+
+class _OpenShard:
+    """A shard opened by a :class:`CacheDataset`: its decoder plus what reading raw rows from the file needs."""
+
+    __slots__ = ("shard", "path", "keys", "infos", "bases", "mapped", "row_offsets", "_file", "fd")
+
+    def __init__(self, shard: Any, file: Any, keys: tuple[str, ...], infos: dict[str, _KeyInfo], raw: Sequence[str]) -> None:
+        self.shard = shard
+        self.path: str = shard.path
+        self.keys = keys
+        self.infos = infos
+        entries = shard.file.entries
+        self.bases: dict[str, int | None] = {k: None for k in keys}
+        """File offset of each raw key's first row; ``None`` for an encoded key (decoded through the shard)."""
+        self.bases.update({k: shard.file.data_start + entries[k][2] for k in raw})
+        self.mapped = {k: bytes_view(shard.file.tensor(k)) for k in raw}
+        """The bytes of each raw key in the shard's mapping."""
+        self.row_offsets: list[int] = shard.row_offsets
+        self._file = file
+        self.fd: int = file.fileno()
+
+    def sample(self, key: str, local: int) -> torch.Tensor:
+        """Sample ``local``'s tensor of ``key``: a view of the mapping, or decoded."""
+        rows = self.shard.rows(key, local, local + 1)
+        return rows if self.infos[key].ragged else rows[0]
+
+
+class SampleView(MutableMapping[str, torch.Tensor]):
+    """One sample of a :class:`CacheDataset`, as returned by ``__getitems__``: a dict of tensors made on access.
+
+    Reading a key returns a view of the shard's mapping (decoded for encoded keys);
+    keys can be set and removed like a dict's. Collators copy the keys left as
+    read straight from the shard file into the batch, so a batch costs no
+    per-sample tensors. Pickling turns it into a plain ``dict``.
+    """
+
+    __slots__ = ("_shard", "_local", "_keys", "_set")
+
+    def __init__(self, shard: _OpenShard, local: int) -> None:
+        self._shard = shard
+        self._local = local
+        self._keys = shard.keys
+        self._set: dict[str, torch.Tensor] | None = None
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if self._set is not None and key in self._set:
+            return self._set[key]
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._shard.sample(key, self._local)
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        if self._set is None:
+            self._set = {}
+        if key not in self._keys:
+            self._keys = (*self._keys, key)
+        self._set[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        if key not in self._keys:
+            raise KeyError(key)
+        self._keys = tuple(k for k in self._keys if k != key)
+        if self._set is not None:
+            self._set.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (dict, (dict(self.items()),))
+
+    def __repr__(self) -> str:
+        return f"SampleView({self._shard.path}, sample {self._local}, keys={list(self._keys)})"
+
+    def _as_read(self, key: str) -> bool:
+        """Whether ``key`` holds the shard's data (present, never set)."""
+        return key in self._keys and (self._set is None or key not in self._set)
 
 
 class CacheDataset(Dataset):
@@ -101,13 +208,7 @@ class CacheDataset(Dataset):
         probe_name = cache_name if cache_name is not None else _manifest_cache_name(cache_dir)
         self.cache_name = probe_name
         self.manifest = read_manifest(cache_dir, cache_name=probe_name, format_version=format_version)
-        try:
-            self.shard_size = int(self.manifest["shard_size"])
-            self.num_samples = int(self.manifest["num_samples"])
-        except (KeyError, TypeError, ValueError):
-            raise CacheFormatError(f"{cache_dir}/manifest.json: needs integer 'shard_size' and 'num_samples'") from None
-        if self.shard_size < 1 or self.num_samples < 0:
-            raise CacheFormatError(f"{cache_dir}/manifest.json: shard_size must be >= 1 and num_samples >= 0")
+        self.shard_size, self.num_samples = manifest_counts(self.manifest, f"{cache_dir}/manifest.json")
         self.native = "keys" in self.manifest
         if self.native:
             check_cache_name(self.manifest, cache_dir, probe_name)
@@ -122,13 +223,17 @@ class CacheDataset(Dataset):
             self.schema: Schema = {k: schema[k] for k in keys}
             self._shard_schema: Schema = schema  # shards hold every key; only self.keys are read
         elif keys is None:
-            raise ValueError(f"{cache_dir}: a cache without a key schema needs the keys to read (disk_keys)")
+            raise CacheFormatError(
+                f"{cache_dir}: a cache without a key schema ('keys' in its manifest, as in seed-layout caches) "
+                "needs the keys to read (disk_keys)"
+            )
         else:
             self.schema = {}
             self._shard_schema = {}
         self.keys: tuple[str, ...] = tuple(keys)
-        self._checksums = {int(r["index"]): r.get("xxh3_128") for r in self.manifest.get("shards", []) if isinstance(r, dict)}
-        if self.native and not self.manifest.get("complete", False):
+        table = shard_table(self.manifest, f"{cache_dir}/manifest.json") if self.native else {}
+        self._checksums = {index: row.get("xxh3_128") for index, row in table.items()}
+        if self.native and self.manifest.get("complete") is not True:
             if not allow_incomplete:
                 raise CacheIncompleteError(
                     f"cache at {cache_dir} is not complete: it is still being written or its writer was interrupted. "
@@ -138,7 +243,8 @@ class CacheDataset(Dataset):
             self.num_samples = _complete_prefix(cache_dir, self.num_samples, self.shard_size)
         else:
             validate_contiguous_shards(cache_dir, self.cache_name, self.num_samples, self.shard_size)
-        self._open: OrderedDict[int, Any] = OrderedDict()
+        self._open: OrderedDict[int, _OpenShard] = OrderedDict()
+        self._infos: dict[tuple[tuple[str, _KeyInfo], ...], dict[str, _KeyInfo]] = {}
 
     @property
     def ragged_keys(self) -> frozenset[str]:
@@ -154,10 +260,14 @@ class CacheDataset(Dataset):
         return state
 
     def _shard(self, index: int) -> Any:
-        shard = self._open.get(index)
-        if shard is not None:
+        """The open shard ``index`` (a :class:`speccache.shard.NativeShard` or a seed-layout shard)."""
+        return self._open_shard(index).shard
+
+    def _open_shard(self, index: int) -> _OpenShard:
+        opened = self._open.get(index)
+        if opened is not None:
             self._open.move_to_end(index)
-            return shard
+            return opened
         path = shard_path(self.cache_dir, index)
         expected = min(self.shard_size, self.num_samples - index * self.shard_size)
         if self.verify and self._checksums.get(index) and file_checksum(path) != self._checksums[index]:
@@ -165,60 +275,67 @@ class CacheDataset(Dataset):
                 f"{path}: file checksum differs from the manifest's shard table (damaged shard). "
                 "Delete it and re-run the producer with --resume."
             )
-        if self.native:
-            shard = NativeShard(path, self._shard_schema, index, expected, verify=self.verify and not self._checksums.get(index))
-        else:
-            shard = _SeedShard(path, self.keys, expected, self.verify)
-        self._open[index] = shard
+        file = open(path, "rb", buffering=0)
+        try:
+            if self.native:
+                shard = NativeShard(path, self._shard_schema, index, expected, verify=self.verify and not self._checksums.get(index))
+            else:
+                shard = _SeedShard(path, self.keys, expected, self.verify)
+            opened = self._wrap(shard, file)
+        except BaseException:
+            file.close()
+            raise
+        self._open[index] = opened
         if len(self._open) > self.max_open_shards:
             self._open.popitem(last=False)
-        return shard
+        return opened
 
-    def _locate(self, index: int) -> tuple[int, int]:
-        if index < 0:
-            index += self.num_samples
-        if not 0 <= index < self.num_samples:
-            raise IndexError(f"sample index out of range for a cache of {self.num_samples} samples")
-        return divmod(index, self.shard_size)
+    def _wrap(self, shard: Any, file: Any) -> _OpenShard:
+        entries = shard.file.entries
+        st = os.fstat(file.fileno())
+        if st.st_ino != os.stat(shard.path).st_ino or st.st_size != shard.file.size:
+            raise CacheCorruptError(f"{shard.path}: the file was replaced while it was being opened; open the cache again")
+        if self.native:
+            infos = {k: _key_info(s.dtype, s.shape, s.ragged) for k, s in self.schema.items()}
+            raw = [k for k in self.keys if self.schema[k].encoding == "raw"]
+        else:
+            infos = {k: _key_info(entries[k][0], entries[k][1][1:], False) for k in self.keys}
+            raw = list(self.keys)
+        # Shards with the same layout share one dict, so a collator checks a batch with one identity test per sample.
+        infos = self._infos.setdefault(tuple(infos.items()), infos)
+        return _OpenShard(shard, file, self.keys, infos, raw)
 
     def __getitem__(self, index: int) -> Sample:
-        """One sample, copied out of the shard."""
-        return {k: v.clone() for k, v in self.__getitems__([index])[0].items()}
+        """One sample, copied out of the shard (through a subclass's ``__getitems__``, if it has one)."""
+        fetch = self.__getitems__ if type(self).__getitems__ is not CacheDataset.__getitems__ else self._views
+        return {k: v.clone() for k, v in fetch([index])[0].items()}
 
     def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
-        """Samples at ``indices`` (in that order) as views into the shards; read-only by contract.
+        """Samples at ``indices`` (in that order) as :class:`SampleView` objects; their tensors are read-only by contract.
 
-        Each shard's samples are read as one run of rows per key when they lie close together.
+        A subclass that overrides ``__getitem__`` but not ``__getitems__`` (as the seed's readers
+        do) gets ``[self[i] for i in indices]``, so batched DataLoaders, which call
+        ``__getitems__``, still go through its ``__getitem__``.
         """
-        out: list[Sample | None] = [None] * len(indices)
-        groups: dict[int, list[tuple[int, int]]] = {}
-        for position, index in enumerate(indices):
-            shard, local = self._locate(int(index))
-            groups.setdefault(shard, []).append((local, position))
-        for shard_index, members in groups.items():
-            shard = self._shard(shard_index)
-            members.sort()
-            lo, hi = members[0][0], members[-1][0] + 1
-            if hi - lo <= 4 * len(members):
-                spans = [(lo, hi, members)]
-            else:
-                spans = [(local, local + 1, [(local, pos)]) for local, pos in members]
-            for a, b, part in spans:
-                for local, pos in part:
-                    out[pos] = {}
-                for key in self.keys:
-                    block = shard.rows(key, a, b)
-                    ragged = key in self.schema and self.schema[key].ragged
-                    offsets = shard.row_offsets
-                    base = offsets[a]
-                    for local, pos in part:
-                        sample = out[pos]
-                        assert sample is not None
-                        if ragged:
-                            sample[key] = block[offsets[local] - base : offsets[local + 1] - base]
-                        else:
-                            sample[key] = block[local - a]
-        return out  # type: ignore[return-value]
+        cls = type(self)
+        if cls.__getitem__ is not CacheDataset.__getitem__ and cls.__getitems__ is CacheDataset.__getitems__:
+            return [self[i] for i in indices]
+        return self._views(indices)
+
+    def _views(self, indices: Sequence[int]) -> list[Sample]:
+        if isinstance(indices, torch.Tensor):
+            indices = indices.tolist()
+        n, size = self.num_samples, self.shard_size
+        out: list[Sample] = []
+        for index in indices:
+            i = int(index)
+            if i < 0:
+                i += n
+            if not 0 <= i < n:
+                raise IndexError(f"sample index out of range for a cache of {n} samples")
+            shard, local = divmod(i, size)
+            out.append(SampleView(self._open_shard(shard), local))
+        return out
 
     def sample_lengths(self) -> list[int]:
         """Rows of each sample's ragged keys (all 1 when no key is ragged); reads only shard offsets."""
@@ -253,10 +370,139 @@ def _pin() -> bool:
     return torch.cuda.is_available() and get_worker_info() is None
 
 
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialised batch tensor: pinned if asked, in shared memory inside a DataLoader worker."""
+    if pin:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    if get_worker_info() is not None:
+        # A worker hands its batch over through shared memory; allocating it there saves a copy (as default_collate does).
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return torch.empty(0, dtype=dtype).set_(torch.UntypedStorage._new_shared(nbytes), 0, shape)
+    return torch.empty(shape, dtype=dtype)
+
+
 def _stack(tensors: list[torch.Tensor], pin: bool) -> torch.Tensor:
     first = tensors[0]
-    out = torch.empty((len(tensors), *first.shape), dtype=first.dtype, pin_memory=pin)
-    return torch.stack(tensors, out=out)
+    return torch.stack(tensors, out=_empty((len(tensors), *first.shape), first.dtype, pin))
+
+
+# --- the fast path: a batch of SampleViews is read from the shard files into the batch tensors
+
+_PREAD_BYTES = 64 << 10
+"""Runs of rows at least this long are read with ``pread``, after announcing all of them (``POSIX_FADV_WILLNEED``).
+
+Shorter ones are copied from the mapping: a syscall each would cost more than the
+copy, and a fault on a cold page reads its neighbours too (read-around).
+"""
+
+_advise = getattr(os, "posix_fadvise", None)
+
+
+def _view_layouts(samples: Sequence[Mapping[str, torch.Tensor]]) -> tuple[dict[str, _KeyInfo] | None, bool]:
+    """The key layouts of ``samples`` if all are :class:`SampleView` objects of alike shards, and whether none was modified."""
+    first = samples[0] if samples else None
+    if type(first) is not SampleView:
+        return None, False
+    infos = first._shard.infos
+    untouched = True
+    for s in samples:
+        if type(s) is not SampleView or s._shard.infos is not infos:
+            return None, False
+        untouched = untouched and s._set is None and s._keys is s._shard.keys
+    return infos, untouched
+
+
+def _readable(
+    samples: Sequence[Any], infos: dict[str, _KeyInfo] | None, untouched: bool, key: str, ragged: bool
+) -> _KeyInfo | None:
+    """``key``'s layout when every sample holds it as read from its shard and it is ``ragged`` as the collator treats it."""
+    info = infos.get(key) if infos is not None else None
+    if info is None or info.ragged != ragged:
+        return None
+    return info if untouched or all(s._as_read(key) for s in samples) else None
+
+
+def _row_counts(samples: Sequence[Any]) -> list[int]:
+    counts = []
+    for s in samples:
+        offsets, local = s._shard.row_offsets, s._local
+        counts.append(offsets[local + 1] - offsets[local])
+    return counts
+
+
+def _pread_into(source: _OpenShard, dst: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(dst):
+        got = os.preadv(source.fd, [dst[done:]], offset + done)
+        if got <= 0:
+            raise CacheCorruptError(
+                f"{source.path}: ends before byte {offset + len(dst)} that its header promises (truncated while open?). "
+                "Delete the shard and re-run the producer with --resume."
+            )
+        done += got
+
+
+def _read_into(out: torch.Tensor, samples: Sequence[Any], key: str, info: _KeyInfo, dst: Sequence[int]) -> None:
+    """Copy each sample's rows of ``key`` into the bytes of ``out``, sample ``i`` from byte ``dst[i]``."""
+    mv = bytes_view(out)
+    row_bytes = info.row_bytes
+    large: list[tuple[_OpenShard, int, int, int]] = []
+    encoded: list[tuple[Any, int]] = []
+    for s, d in zip(samples, dst):
+        source, local = s._shard, s._local
+        base = source.bases[key]
+        if base is None:
+            encoded.append((s, d))
+            continue
+        if info.ragged:
+            start, end = source.row_offsets[local] * row_bytes, source.row_offsets[local + 1] * row_bytes
+        else:
+            start = local * row_bytes
+            end = start + row_bytes
+        if end - start >= _PREAD_BYTES:
+            large.append((source, base + start, end - start, d))
+        else:
+            mv[d : d + end - start] = source.mapped[key][start:end]
+    if _advise is not None and len(large) > 1:
+        for source, offset, nbytes, _ in large:
+            _advise(source.fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+    for source, offset, nbytes, d in large:
+        _pread_into(source, mv[d : d + nbytes], offset)
+    if encoded:
+        _decode_into(mv, encoded, key, info)
+
+
+def _decode_into(mv: memoryview, members: list[tuple[Any, int]], key: str, info: _KeyInfo) -> None:
+    """Decode encoded samples into ``mv``, a run of rows per shard when its samples lie close together."""
+    groups: dict[int, tuple[_OpenShard, list[tuple[int, int]]]] = {}
+    for s, d in members:
+        groups.setdefault(id(s._shard), (s._shard, []))[1].append((s._local, d))
+    for source, locals_ in groups.values():
+        locals_.sort()
+        lo, hi = locals_[0][0], locals_[-1][0] + 1
+        spans = [(lo, hi, locals_)] if hi - lo <= 4 * len(locals_) else [(i, i + 1, [(i, d)]) for i, d in locals_]
+        offsets = source.row_offsets
+        for a, b, part in spans:
+            block = source.shard.rows(key, a, b)
+            for local, d in part:
+                rows = block[offsets[local] - offsets[a] : offsets[local + 1] - offsets[a]] if info.ragged else block[local - a]
+                data = bytes_view(rows.contiguous())
+                mv[d : d + len(data)] = data
+
+
+def _pad_rows(out: torch.Tensor, lengths: list[int], pad: float | int | bool) -> None:
+    """Fill rows ``lengths[b]:`` of each ``out[b]`` with ``pad``."""
+    longest = out.shape[1]
+    shortest = min(lengths)
+    if shortest == longest or out.numel() == 0:
+        return
+    fill = bytes_view(torch.empty((longest - shortest, *out.shape[2:]), dtype=out.dtype).fill_(pad))
+    row_bytes = len(fill) // (longest - shortest)
+    mv = bytes_view(out)
+    stride = longest * row_bytes
+    for b, n in enumerate(lengths):
+        if n < longest:
+            mv[b * stride + n * row_bytes : (b + 1) * stride] = fill[: (longest - n) * row_bytes]
 
 
 class PadCollator:
@@ -264,7 +510,9 @@ class PadCollator:
 
     Output: fixed keys stacked ``[B, *shape]``; ragged keys ``[B, T_max, *shape]``
     padded with ``pad_values[key]`` (default 0); ``lengths`` (int64 ``[B]``) and
-    ``attention_mask`` (int64 ``[B, T_max]``, 1 on real rows).
+    ``attention_mask`` (int64 ``[B, T_max]``, 1 on real rows). Keys of
+    :class:`SampleView` samples are read straight from the shard files; other
+    samples are copied from their tensors.
 
     Args:
         ragged_keys: keys to pad.
@@ -281,17 +529,32 @@ class PadCollator:
 
     def __call__(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         pin = _pin() if self.pin_memory is None else self.pin_memory
+        infos, untouched = _view_layouts(samples)
         batch: dict[str, torch.Tensor] = {}
         lengths: list[int] | None = None
         for key in samples[0]:
+            ragged = key in self.ragged_keys
+            info = _readable(samples, infos, untouched, key, ragged)
+            if info is not None and not ragged:
+                batch[key] = out = _empty((len(samples), *info.shape), info.dtype, pin)
+                _read_into(out, samples, key, info, range(0, len(samples) * info.row_bytes, info.row_bytes))
+                continue
+            if info is not None:
+                lengths = _row_counts(samples)
+                longest = max(lengths)
+                batch[key] = out = _empty((len(samples), longest, *info.shape), info.dtype, pin)
+                stride = longest * info.row_bytes
+                _read_into(out, samples, key, info, range(0, len(samples) * stride, stride))
+                _pad_rows(out, lengths, self.pad_values.get(key, 0))
+                continue
             tensors = [s[key] for s in samples]
-            if key not in self.ragged_keys:
+            if not ragged:
                 batch[key] = _stack(tensors, pin)
                 continue
             lengths = [t.shape[0] for t in tensors]
             longest = max(lengths)
             first = tensors[0]
-            out = torch.empty((len(tensors), longest, *first.shape[1:]), dtype=first.dtype, pin_memory=pin)
+            out = _empty((len(tensors), longest, *first.shape[1:]), first.dtype, pin)
             pad = self.pad_values.get(key, 0)
             for row, t in zip(out, tensors):
                 row[: t.shape[0]].copy_(t)
@@ -308,7 +571,8 @@ class PackCollator:
     """Batches samples by concatenating ragged keys (no padding), for varlen attention.
 
     Output: ragged keys ``[sum T, *shape]``, ``cu_seqlens`` (int32 ``[B + 1]``),
-    ``lengths`` (int64 ``[B]``); fixed keys stacked ``[B, *shape]``.
+    ``lengths`` (int64 ``[B]``); fixed keys stacked ``[B, *shape]``. Reads
+    :class:`SampleView` samples as :class:`PadCollator` does.
 
     Args:
         ragged_keys: keys to concatenate.
@@ -321,16 +585,29 @@ class PackCollator:
 
     def __call__(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         pin = _pin() if self.pin_memory is None else self.pin_memory
+        infos, untouched = _view_layouts(samples)
         batch: dict[str, torch.Tensor] = {}
         lengths: list[int] | None = None
         for key in samples[0]:
+            ragged = key in self.ragged_keys
+            info = _readable(samples, infos, untouched, key, ragged)
+            if info is not None and not ragged:
+                batch[key] = out = _empty((len(samples), *info.shape), info.dtype, pin)
+                _read_into(out, samples, key, info, range(0, len(samples) * info.row_bytes, info.row_bytes))
+                continue
+            if info is not None:
+                lengths = _row_counts(samples)
+                batch[key] = out = _empty((sum(lengths), *info.shape), info.dtype, pin)
+                starts = itertools.accumulate(lengths[:-1], initial=0)
+                _read_into(out, samples, key, info, [start * info.row_bytes for start in starts])
+                continue
             tensors = [s[key] for s in samples]
-            if key not in self.ragged_keys:
+            if not ragged:
                 batch[key] = _stack(tensors, pin)
                 continue
             lengths = [t.shape[0] for t in tensors]
             first = tensors[0]
-            out = torch.empty((sum(lengths), *first.shape[1:]), dtype=first.dtype, pin_memory=pin)
+            out = _empty((sum(lengths), *first.shape[1:]), first.dtype, pin)
             batch[key] = torch.cat(tensors, out=out)
         if lengths is not None:
             lens = torch.tensor(lengths, dtype=torch.int64)
