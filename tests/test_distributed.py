@@ -11,7 +11,11 @@ written by one process here. The spawned ranks also check, through hooks:
   different amounts of work left), so the lockstep padding holds;
 * a configuration mismatch or any error on rank 0 during ``begin`` is raised on
   every rank with the same type and message, and nobody waits at a barrier;
+  so is a rank that cannot see the manifest rank 0 wrote (no shared filesystem);
 * an empty dataset reads no sample and writes only a sealed 0-sample manifest;
+* a rank much slower than another (more real steps than the other's cheap
+  dummy ones, for longer than the timeout in all) does not make the fast one
+  time out at the seal: ranks meet every ``LOCKSTEP_SYNC_EVERY`` steps;
 * a hung rank makes the other one fail with ``DistributedError`` within the
   timeout; the cache then resumes at another world size.
 
@@ -65,6 +69,8 @@ RESUME_KEPT = {2, 3, 4}
 GROUP_TIMEOUT = 60.0  # generous: joining waits for the slowest interpreter start
 HANG_TIMEOUT = 4.0  # the group the hung-rank scenario runs on
 HANG_AT_CALL = 3  # rank 1 hangs in this compute call (after writing its first shard)
+SLOW_STEP = 0.8  # seconds per compute call of the slow rank: 8 steps take longer than HANG_TIMEOUT
+LOCKSTEP_DEFAULT = write_module.LOCKSTEP_SYNC_EVERY
 
 
 # ---------------------------------------------------------------------------
@@ -143,12 +149,15 @@ class _Abandoned(Exception):
 class _Hooks:
     """Counts manifest writes, compute calls and sample reads; checks the manifest exists and is unsealed at each shard write.
 
-    The compute step all-reduces on every call (like a target sharded across ranks).
+    The compute step all-reduces on every call (like a target sharded across ranks) unless ``collective`` is false;
+    it sleeps ``slow`` seconds per call, and with ``hang`` it blocks at call :data:`HANG_AT_CALL` until that file exists.
     """
 
-    def __init__(self, comm: Any, hang: Path | None = None) -> None:
+    def __init__(self, comm: Any, collective: bool = True, hang: Path | None = None, slow: float = 0.0) -> None:
         self.comm = comm
+        self.collective = collective
         self.hang = hang
+        self.slow = slow
         self.manifest_writes: list[bool] = []
         self.calls = 0
         self.reads = 0
@@ -186,7 +195,8 @@ class _Hooks:
                     while not hooks.hang.exists() and time.monotonic() < deadline:
                         time.sleep(0.05)
                     raise _Abandoned()
-                if hooks.hang is None:
+                time.sleep(hooks.slow)
+                if hooks.collective:
                     total = hooks.comm.sum_tensor(torch.ones(1, dtype=torch.int64))
                     if int(total) != hooks.comm.world_size:
                         hooks.violations.append(f"all-reduce gave {int(total)}")
@@ -227,6 +237,8 @@ def _same_error_everywhere(comm: Any, fn: Any, kind: type[BaseException]) -> Non
         error = (type(exc).__name__, str(exc))
     errors = comm.all_gather(error)
     assert errors[0] is not None and errors[0][0] == kind.__name__, errors
+    if kind is DistributedError:
+        assert "does not see" in errors[0][1] and "shares" in errors[0][1], errors
     assert all(e == errors[0] for e in errors), f"ranks raised different errors: {errors}"
 
 
@@ -258,6 +270,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         # errors in begin: the same exception on every rank, nothing changed, no lock left
         done = base / "fresh-uneven"
         before = _tree(done)
+        comm.barrier()  # rank 0 takes the lock (a file) as soon as it starts the next run
         _same_error_everywhere(
             comm, lambda: synthetic.write_synthetic_cache(str(done), **cfg, **{**COMMON, "seed": 4}, resume=True, comm=comm),
             ConfigMismatchError,
@@ -277,20 +290,45 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         _same_error_everywhere(comm, lambda: writer.begin(write_side_files=deny), PermissionError)
         comm.barrier()
         assert not (side / LOCK_NAME).exists() and not (side / "manifest.json").exists()
+        if world > 1:
+            # the last rank writes to "another filesystem": it cannot see the manifest rank 0 wrote
+            saved = cache_writer_module.SHARED_FS_WAIT_S, cache_writer_module.manifest_path
+            cache_writer_module.SHARED_FS_WAIT_S = 0.5
+            if rank == world - 1:
+                cache_writer_module.manifest_path = lambda d: os.path.join(d + "-node-local", "manifest.json")
+            try:
+                _same_error_everywhere(
+                    comm, lambda: synthetic.write_synthetic_cache(str(base / "not-shared"), **cfg, **COMMON, comm=comm),
+                    DistributedError,
+                )
+            finally:
+                cache_writer_module.SHARED_FS_WAIT_S, cache_writer_module.manifest_path = saved
+            if rank == 0:
+                assert not (base / "not-shared" / LOCK_NAME).exists()
+                assert not [p for p in (base / "not-shared").iterdir() if p.name.startswith("shard-")]
         if world != 2:
             comm.barrier()
             shutdown(comm)
             return
-        # a hung rank: the other fails within the (short) timeout of this group
+        # two scenarios on a group with a short timeout
         import torch.distributed as dist
 
         hang_comm = TorchComm(
             torch.device("cpu"), timeout_s=HANG_TIMEOUT, group=dist.new_group(timeout=_seconds(HANG_TIMEOUT), backend="gloo")
         )
+        # a slow rank: the fast one pads with cheap dummy steps, then would wait at the seal for the slow one's
+        # remaining work (longer than this group's timeout) but for the periodic lockstep meetings
+        write_module.LOCKSTEP_SYNC_EVERY = 1
+        try:
+            with _Hooks(hang_comm, collective=False, slow=SLOW_STEP if rank == 1 else 0.0).installed():
+                synthetic.write_synthetic_cache(str(base / "slow-uneven"), **cfg, **COMMON, comm=hang_comm)
+        finally:
+            write_module.LOCKSTEP_SYNC_EVERY = LOCKSTEP_DEFAULT
+        # a hung rank: the other fails within the group's timeout
         flag = base / "hang-released"
         out = base / "hang-uneven"
         if rank == 1:
-            with _Hooks(hang_comm, hang=flag).installed():
+            with _Hooks(hang_comm, collective=False, hang=flag).installed():
                 with pytest.raises(_Abandoned):
                     synthetic.write_synthetic_cache(str(out), **cfg, **COMMON, comm=hang_comm)
             return  # leaves without another collective, like a killed rank
@@ -348,11 +386,12 @@ def test_process_group_matches_single_process(world: int, references: dict[str, 
     assert {i: os.stat(shard_path(str(resumed), i)).st_ino for i in RESUME_KEPT} == kept, "valid shards were rewritten"
     if world != 2:
         return
+    _assert_same_cache(tmp_path / "slow-uneven", references["uneven"])
     # the hung-rank scenario: rank 0 failed within the timeout, clearly, and released the lock
     result = json.loads((tmp_path / "hang-result.json").read_text())
     assert result["error"] is not None, "rank 0 sealed although rank 1 never finished"
     message = result["error"]
-    assert "rank 0 of 2" in message and f"{HANG_TIMEOUT:g} s timeout" in message and "--resume" in message, message
+    assert "rank 0 of 2" in message and f"--timeout of {HANG_TIMEOUT:g} s" in message and "--resume" in message, message
     assert "did not reach" in message, message
     assert HANG_TIMEOUT <= result["seconds"] < HANG_TIMEOUT + 20, result
     hung = tmp_path / "hang-uneven"
@@ -444,9 +483,9 @@ def test_rebuilt_errors_keep_type_and_message() -> None:
 
 def test_collective_failure_message_names_rank_timeout_and_resume() -> None:
     lost = collective_failure_message(1, 4, "all_gather", 30.0, RuntimeError("Connection reset by peer"))
-    assert "rank 1 of 4" in lost and "30 s timeout" in lost and "--resume" in lost and "lost" in lost
+    assert "rank 1 of 4" in lost and "--timeout of 30 s" in lost and "--resume" in lost and "lost the connection" in lost
     hung = collective_failure_message(0, 2, "barrier", 5.0, RuntimeError("Timed out waiting 5000ms for recv"))
-    assert "did not reach" in hung and "5 s timeout" in hung
+    assert "did not reach" in hung and "--timeout of 5 s" in hung
 
 
 def test_join_fails_within_timeout_when_no_peer_answers(monkeypatch: pytest.MonkeyPatch) -> None:

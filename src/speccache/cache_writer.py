@@ -20,6 +20,8 @@ import importlib
 import json
 import logging
 import os
+import socket
+import time
 from typing import Any, Callable
 
 from speccache import __version__
@@ -46,6 +48,9 @@ from speccache.shard import NativeShard
 from speccache.write import NativeShardWriter, ShardRecord, encoding_error_summary, partition_cache_shards
 
 log = logging.getLogger(__name__)
+
+SHARED_FS_WAIT_S = 60.0
+"""How long a rank waits to see the manifest rank 0 wrote (NFS caches negative lookups for up to ~60 s)."""
 
 _COMPARED = ("cache_name", "format_version", "keys", "shard_size", "num_samples", "config")
 
@@ -141,6 +146,9 @@ class CacheWriter:
         """
 
         def _prepare() -> None:
+            if os.path.exists(self.cache_dir) and not os.path.isdir(self.cache_dir):
+                # before the lock, which would try to create the directory
+                raise CacheExistsError(f"output path {self.cache_dir} is a file; choose a directory")
             self._lock.acquire()
             try:
                 self._check_directory()
@@ -163,8 +171,6 @@ class CacheWriter:
             raise
 
     def _check_directory(self) -> None:
-        if os.path.exists(self.cache_dir) and not os.path.isdir(self.cache_dir):
-            raise CacheExistsError(f"output path {self.cache_dir} is a file; choose a directory")
         has_manifest = os.path.exists(manifest_path(self.cache_dir))
         has_shards = bool(existing_shard_indices(self.cache_dir))
         if not (has_manifest or has_shards):
@@ -180,15 +186,33 @@ class CacheWriter:
                 "Move them away or choose an empty directory; nothing was changed."
             )
         found = load_manifest_json(manifest_path(self.cache_dir))
-        differing = [key for key in _COMPARED if found.get(key) != self.manifest[key]]
+        # Compare as stored: JSON turns tuples into lists and dict keys into strings.
+        wanted = json.loads(json.dumps({key: self.manifest[key] for key in _COMPARED}))
+        differing = [key for key in _COMPARED if found.get(key) != wanted[key]]
         if differing:
-            details = "; ".join(_describe_difference(key, found.get(key), self.manifest[key]) for key in differing)
+            details = "; ".join(_describe_difference(key, found.get(key), wanted[key]) for key in differing)
             raise ConfigMismatchError(
                 f"cannot resume {self.cache_dir}: the existing cache was written with a different configuration "
                 f"({details}). Re-run with the original settings, or write to a new directory; nothing was changed."
             )
 
+    def _check_shared_directory(self) -> None:
+        # Rank 0 wrote the manifest before the collective that started this step: a rank that cannot see it
+        # writes to another filesystem (a node-local disk), and the sealed manifest would list shards rank 0 lacks.
+        path = manifest_path(self.cache_dir)
+        deadline = time.monotonic() + SHARED_FS_WAIT_S
+        while not os.path.exists(path):
+            if time.monotonic() >= deadline:
+                raise DistributedError(
+                    f"rank {self.comm.rank} of {self.comm.world_size} (host {socket.gethostname()}) does not see {path}, "
+                    f"which rank 0 wrote, after {SHARED_FS_WAIT_S:g} s: the output directory must be on a filesystem "
+                    "every rank shares (NFS, Lustre, GPFS...), not a node-local disk. Nothing was computed."
+                )
+            time.sleep(0.5)
+
     def _shards_to_compute(self) -> list[int]:
+        if self.comm.world_size > 1:
+            self._check_shared_directory()
         todo = []
         present = existing_shard_indices(self.cache_dir)
         for index in self.local_shards:

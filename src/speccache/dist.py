@@ -66,7 +66,7 @@ class LocalComm:
 
 
 def _describe_timeout(timeout_s: float | None) -> str:
-    return f"the {timeout_s:g} s timeout (--timeout)" if timeout_s is not None else "the process group's timeout"
+    return f"the --timeout of {timeout_s:g} s" if timeout_s is not None else "the process group's timeout"
 
 
 def collective_failure_message(rank: int, world_size: int, op: str, timeout_s: float | None, exc: BaseException) -> str:
@@ -75,9 +75,12 @@ def collective_failure_message(rank: int, world_size: int, op: str, timeout_s: f
     if len(detail) > 400:
         detail = detail[:400] + "..."
     if "timed out" in detail.lower() or "timeout" in detail.lower():
-        what = f"another rank did not reach the same step within {_describe_timeout(timeout_s)} (hung, or much slower)"
+        what = f"another rank did not reach the same step within {_describe_timeout(timeout_s)}: it hangs or is much slower"
     else:
-        what = f"the connection to another rank was lost (it exited or crashed; the wait is bounded by {_describe_timeout(timeout_s)})"
+        what = (
+            "lost the connection to another rank, which exited or crashed "
+            f"(a rank that hangs instead is given up on after {_describe_timeout(timeout_s)})"
+        )
     return (
         f"rank {rank} of {world_size}: {op} failed: {what}. The first error is in the log of the rank that stopped. "
         "Every shard already written is kept: re-run the same command with --resume (any number of ranks) to finish "

@@ -131,7 +131,17 @@ def dataloader_from_sample(dataloader: DataLoader, start_sample: int) -> DataLoa
     if start_sample <= 0:
         return dataloader
     end = len(dataloader.dataset)  # type: ignore[arg-type]
-    return _sequential_subset_loader(dataloader, min(start_sample, end), end)
+    if start_sample >= end:
+        # Nothing left (a finished run resumed): no worker processes to start, as in the seed.
+        return DataLoader(
+            Subset(dataloader.dataset, range(0)),
+            batch_size=getattr(dataloader, "batch_size", None) or 1,
+            shuffle=False,
+            num_workers=0,
+            collate_fn=getattr(dataloader, "collate_fn", None),
+            drop_last=False,
+        )
+    return _sequential_subset_loader(dataloader, start_sample, end)
 
 
 # ---------------------------------------------------------------------------
@@ -219,9 +229,26 @@ class NativeShardWriter:
         self.records: dict[int, ShardRecord] = {}
 
     def __call__(self, output_dir: str, shard_index: int, samples: Batch) -> str:
-        written, n, tokens, errors = write_shard_file(shard_path(output_dir, shard_index), shard_index, samples, self.schema)
+        path = shard_path(output_dir, shard_index)
+        try:
+            written, n, tokens, errors = write_shard_file(path, shard_index, samples, self.schema)
+        except OSError as exc:  # disk full, file-size limit, permissions: name the shard and say what to do
+            raise _write_failure(path, exc) from exc
         self.records[shard_index] = ShardRecord(shard_index, n, tokens, written.bytes, written.checksum, errors)
         return written.path
+
+
+def _write_failure(path: str, exc: BaseException) -> ShardWriteError:
+    """The :class:`ShardWriteError` for a failed write of ``path``."""
+    hint = ""
+    if isinstance(exc, OSError):
+        hint = (
+            " No partial shard is left under that name. Free space (or fix the cause), then re-run the producer "
+            "with --resume: the shards already written are kept."
+        )
+    error = ShardWriteError(f"writing shard {path} failed: {exc}.{hint}")
+    error.__cause__ = exc
+    return error
 
 
 class OverlappedShardWriter:
@@ -257,8 +284,7 @@ class OverlappedShardWriter:
             try:
                 self._write(output_dir, index, samples)
             except BaseException as exc:  # noqa: BLE001 - surfaced in the caller's thread
-                self._error = ShardWriteError(f"writing shard {shard_path(output_dir, index)} failed: {exc}")
-                self._error.__cause__ = exc
+                self._error = exc if isinstance(exc, ShardWriteError) else _write_failure(shard_path(output_dir, index), exc)
 
     def _raise_pending(self) -> None:
         if self._error is not None:
@@ -421,6 +447,10 @@ def write_cache_shards(
     accumulator.finalize()
 
 
+LOCKSTEP_SYNC_EVERY = 16
+"""Compute steps between two meetings of all ranks in :func:`compute_shard_runs` (distributed runs)."""
+
+
 def compute_shard_runs(
     dataloader: DataLoader,
     output_dir: str,
@@ -433,6 +463,7 @@ def compute_shard_runs(
     ragged_keys: Collection[str] = (),
     sync_max_steps: Callable[[int], int] | None = None,
     on_batch: Callable[[Batch], None] | None = None,
+    sync_every: int | None = None,
 ) -> int:
     """Write the given shards (any subset, e.g. those a resume still lacks), keeping lockstep.
 
@@ -440,7 +471,12 @@ def compute_shard_runs(
     the batches (and therefore the bytes) equal those of an uninterrupted run as
     long as ``shard_size`` is a multiple of the batch size. When ``sync_max_steps``
     is given (distributed), this rank pads its step count to the global maximum
-    with one-sample dummy batches whose outputs are discarded.
+    with one-sample dummy batches whose outputs are discarded, and every
+    ``sync_every`` steps (default :data:`LOCKSTEP_SYNC_EVERY`; 0: never) all ranks
+    meet again (``sync_max_steps(0)``), so a rank with less (or cheaper, dummy)
+    work never waits at one collective for longer than that many steps of the
+    slowest rank: the collective timeout need not cover a whole run's imbalance
+    (uneven blocks, a resume with most shards present).
 
     Returns:
         The number of ``compute_batch`` calls made.
@@ -453,13 +489,21 @@ def compute_shard_runs(
     local_steps = sum(-(-(end - start) // batch_size) for start, end in spans if end > start)
     global_steps = local_steps if sync_max_steps is None else sync_max_steps(local_steps)
     steps = 0
+    every = LOCKSTEP_SYNC_EVERY if sync_every is None else sync_every
+
+    def step_done() -> None:
+        nonlocal steps
+        steps += 1
+        if sync_max_steps is not None and every > 0 and steps % every == 0:
+            sync_max_steps(0)  # the same step numbers on every rank: real steps, then dummy ones
+
     for (first_shard, _), (start, end) in zip(runs, spans):
         if end <= start:
             continue
         accumulator = _ShardAccumulator(output_dir, shard_size, first_shard, write_shard_fn, logger, ragged_keys)
         for batch in _sequential_subset_loader(dataloader, start, end):
             out = compute_batch(batch)
-            steps += 1
+            step_done()
             accumulator.add(out)
             if on_batch is not None:
                 on_batch(out)
@@ -469,6 +513,7 @@ def compute_shard_runs(
         dummy = collate_fn([dataset[0]]) if collate_fn is not None else dataset[0]
         for _ in range(global_steps - steps):
             compute_batch(dummy)
+            step_done()
     return global_steps
 
 
@@ -517,4 +562,5 @@ def write_cache_shards_distributed(
         logger,
         ragged_keys=ragged_keys,
         sync_max_steps=sync_max_steps,
+        sync_every=0,  # the seed's contract: sync_max_steps is called once
     )
