@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from speccache.cache_writer import CacheWriter
 from speccache.data import DataStats, TokenizedSample, file_content_hash, load_samples, tokenizer_hash
-from speccache.dist import Comm, LocalComm, init_from_env
+from speccache.dist import Comm, LocalComm, init_from_env, shutdown
 from speccache.eagle3 import (
     CACHE_NAME,
     SIDE_FILE,
@@ -309,18 +309,29 @@ def padded_probs_bytes(num_samples: int, max_length: int, hidden: int, draft_voc
     return num_samples * max_length * per_token
 
 
+def target_device(cfg: PrecomputeConfig) -> torch.device:
+    """The device the target runs on: ``--device``, else CUDA (this process's ``LOCAL_RANK`` under torchrun) when available."""
+    if cfg.device:
+        return torch.device(cfg.device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bool = True) -> dict[str, Any]:
     """Write an EAGLE-3 cache; returns the sealed manifest.
+
+    Args:
+        cfg: the validated settings.
+        comm: the process group (default: this process alone).
+        progress: show the progress bar and the summary line (rank 0).
 
     Raises:
         CacheExistsError, ConfigMismatchError, CacheLockedError: the output directory cannot be used (nothing changed).
         DataError, ValueError: bad data or settings (nothing written).
     """
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if comm is None:
-        comm = init_from_env(device, cfg.timeout)
-    if device.type == "cuda" and comm.world_size > 1 and device.index is None:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    comm = comm or LocalComm()
+    device = target_device(cfg)
     plan = make_plan(cfg)
     writer = CacheWriter(
         cfg.out, cache_name=CACHE_NAME, schema=plan.schema, shard_size=cfg.shard_size, num_samples=len(plan.samples),
@@ -444,18 +455,12 @@ def cmd_precompute(args: argparse.Namespace) -> int:
     """Run ``speccache precompute``."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = PrecomputeConfig.from_args(args)
+    comm = init_from_env(target_device(cfg), cfg.timeout)
     try:
-        run_precompute(cfg, progress=not args.quiet)
+        run_precompute(cfg, comm, progress=not args.quiet)
     finally:
-        _destroy_group()
+        shutdown(comm)
     return 0
-
-
-def _destroy_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def register_commands(sub: Any) -> None:
