@@ -45,8 +45,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"{name:<20} {k['dtype']:<14} {str(k['shape']):<10} {str(k['ragged']):<7} {k['encoding']:<9} {_human(k['bytes']):>12} {per:>9}")
     for name, size in (info["side_file_bytes"] or {}).items():
         print(f"side file  {name}: {_human(size)}")
-    for key, err in ((info.get("stats") or {}).get("encoding_error") or {}).items():
-        print(f"fp8 error  {key}: relative RMS {err['rms']:.4f}, max {err['max']:.4f}")
+    stats = info.get("stats")
+    errors = stats.get("encoding_error") if isinstance(stats, dict) else None
+    for key, err in (errors.items() if isinstance(errors, dict) else ()):
+        if isinstance(err, dict) and isinstance(err.get("rms"), (int, float)) and isinstance(err.get("max"), (int, float)):
+            print(f"fp8 error  {key}: relative RMS {err['rms']:.4f}, max {err['max']:.4f}")
     return 0
 
 

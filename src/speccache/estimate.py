@@ -78,14 +78,17 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
-def estimate_shards(schema: Schema, lengths: Sequence[int], shard_size: int, hi_fraction: float) -> dict[str, Any]:
+def estimate_shards(
+    schema: Schema, lengths: Sequence[int], shard_size: int, hi_fraction: float | Mapping[str, float]
+) -> dict[str, Any]:
     """Bytes of the native shards holding samples of these lengths, in order.
 
     Args:
         schema: the key schema.
         lengths: rows (tokens) of each sample.
         shard_size: samples per shard.
-        hi_fraction: a zbf16 high plane's compressed size as a fraction of its raw size.
+        hi_fraction: a zbf16 high plane's compressed size as a fraction of its raw size (one for
+            every key, or per key).
 
     Returns:
         ``keys`` (data bytes per key, as ``speccache inspect`` counts them),
@@ -100,8 +103,9 @@ def estimate_shards(schema: Schema, lengths: Sequence[int], shard_size: int, hi_
         rows = int(sum(lengths[start : start + n])) if ragged else 0
         layout: Layout = {OFFSETS_KEY: (torch.int64, (n + 1,))} if ragged else {}
         for name, spec in schema.items():
-            width = math.prod(spec.shape) * (rows if spec.ragged else n)
-            for suffix, (dtype, shape) in key_parts(spec, n, rows, min(width, round(hi_fraction * width))).items():
+            values = math.prod(spec.shape) * (rows if spec.ragged else n)
+            fraction = hi_fraction if isinstance(hi_fraction, (int, float)) else hi_fraction.get(name, 1.0)
+            for suffix, (dtype, shape) in key_parts(spec, n, rows, min(values, round(fraction * values))).items():
                 layout[part_name(name, suffix)] = (dtype, shape)
                 key_bytes[name] += _nbytes(dtype, shape)
         # The writer's metadata has the same fixed-length checksum strings for any data; empty tensors stand in.
