@@ -28,5 +28,12 @@ demo: install
 bench: install
 	$(PY) benchmarks/run.py --out docs/benchmarks.md
 
+footprint: install
+	$(PY) benchmarks/footprint.py --out docs/footprint.md
+
+# The crash, corruption and fuzz suites with many more kill points and examples (minutes, not seconds).
+soak: install
+	SPECCACHE_SOAK=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_crash.py tests/test_fuzz.py tests/test_concurrency.py
+
 clean:
 	rm -rf $(DEMO_OUT) bench-out .pytest_cache

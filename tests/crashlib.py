@@ -10,6 +10,11 @@ with its own environment and log file. The server kills the child with
 ``SIGKILL`` after ``kill_after`` seconds when asked, reaps it and reports its
 exit status. The server itself never runs torch code, so forking it is safe.
 ``SPECCACHE_FAULT`` (see ``speccache.faults``) kills a child at a named point instead.
+A request can also send SIGINT instead of SIGKILL, run the child under a file-size
+limit (RLIMIT_FSIZE) or skip ``fsync`` (which only matters for power loss, not for a
+killed process, and makes runs several times faster so that more kills fit).
+A child that outlives its timeout has its stacks dumped into its log (faulthandler)
+before it is killed, and is reported with rc 124.
 
 A :class:`Scenario` is a chain of killed runs on one directory followed by one
 uninterrupted ``--resume``; after every kill :func:`check_after_kill` checks
@@ -19,6 +24,7 @@ byte-identical to an uninterrupted run.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import json
 import os
@@ -53,6 +59,14 @@ def _child(req: dict[str, Any]) -> None:
         os.dup2(log, 2)
         os.environ.pop("SPECCACHE_FAULT", None)
         os.environ.update(req.get("env") or {})
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung run's stacks, dumped before it is killed
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        if req.get("fsize_limit") is not None:
+            # a file-size limit (like a full quota): writes past it fail with EFBIG once SIGXFSZ is ignored
+            import resource
+
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (req["fsize_limit"], req["fsize_limit"]))
         if req.get("nofsync"):
             # fsync only matters when the machine loses power; a killed process's writes stay in the page
             # cache. Skipping it makes a run several times faster, so more kills fit in the time budget.
@@ -85,7 +99,9 @@ def _wait(pid: int, kill_after: float | None, timeout: float, signum: int = sign
                 os.kill(pid, signum)
                 killed = True
         ready, _, _ = select.select([fd], [], [], timeout)
-        if not ready:  # a hung run: report it as such
+        if not ready:  # a hung run: dump its stacks into its log, then report it as such
+            os.kill(pid, signal.SIGUSR1)
+            time.sleep(1.0)
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             return 124, killed, time.monotonic() - t0
@@ -105,9 +121,13 @@ def serve() -> None:
         req = json.loads(line)
         sys.stdout.flush()
         sys.stderr.flush()
+        # A signal meant for the child must not arrive before it is in _child (where it is handled):
+        # block SIGINT across the fork; the child unblocks it once its output is redirected.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         pid = os.fork()
         if pid == 0:
             _child(req)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         signum = getattr(signal, req.get("signal") or "SIGKILL")
         rc, killed, elapsed = _wait(pid, req.get("kill_after"), float(req.get("timeout", 120)), signum)
         print(json.dumps({"pid": pid, "rc": rc, "killed": killed, "elapsed": elapsed}), file=out, flush=True)
@@ -167,10 +187,11 @@ class ForkServer:
         timeout: float = 120.0,
         signal_name: str = "SIGKILL",
         nofsync: bool = False,
+        fsize_limit: int | None = None,
     ) -> RunResult:
         """Run ``module.main(argv)`` in a forked child and wait for it (sending ``signal_name`` after ``kill_after`` s)."""
         req = {"module": module, "argv": argv, "log": log, "env": env or {}, "kill_after": kill_after, "timeout": timeout,
-               "signal": signal_name, "nofsync": nofsync}  # fmt: skip
+               "signal": signal_name, "nofsync": nofsync, "fsize_limit": fsize_limit}  # fmt: skip
         with self._lock:
             assert self.proc.stdin is not None and self.proc.stdout is not None
             self.proc.stdin.write(json.dumps(req) + "\n")
@@ -237,7 +258,7 @@ def read_tree(path: str) -> dict[str, bytes]:
     return out
 
 
-UNSEALED_ONLY = ("shards", "num_tokens", "total_bytes")
+UNSEALED_ONLY = ("shards", "num_tokens", "total_bytes", "stats")  # stats: encoding errors gathered at the seal
 
 
 @dataclass

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from speccache.errors import SpeccacheError
+from speccache.errors import CacheCorruptError, CacheFormatError, SpeccacheError
 from speccache.format import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -15,10 +15,12 @@ from speccache.format import (
     existing_shard_indices,
     file_checksum,
     load_manifest_json,
+    manifest_counts,
     manifest_path,
     num_shards,
     schema_from_json,
     shard_path,
+    shard_table,
 )
 from speccache.shard import NativeShard
 
@@ -73,25 +75,35 @@ def verify_cache(cache_dir: str, progress: Iterable[int] | None = None) -> Verif
     except (FileNotFoundError, SpeccacheError) as exc:
         report.problems.append(Problem(MANIFEST_NAME, str(exc)))
         return report
-    if manifest.get("format_version") != FORMAT_VERSION or "keys" not in manifest:
+    if "keys" not in manifest:
         report.problems.append(
             Problem(MANIFEST_NAME, f"format_version {manifest.get('format_version')!r} with no speccache key schema: "
                     f"not a speccache v{FORMAT_VERSION} cache (seed-layout caches can be read but not verified)")
         )
         return report
+    if manifest.get("format_version") != FORMAT_VERSION:
+        report.problems.append(
+            Problem(MANIFEST_NAME, f"format_version {manifest.get('format_version')!r}, this speccache reads version "
+                    f"{FORMAT_VERSION}: regenerate the cache with this version (or verify it with the version that wrote it)")
+        )
+        return report
     try:
         schema = schema_from_json(manifest["keys"], mpath)
-        shard_size, num_samples = int(manifest["shard_size"]), int(manifest["num_samples"])
+        shard_size, num_samples = manifest_counts(manifest, mpath)
         expected_count = num_shards(num_samples, shard_size)
-    except (SpeccacheError, KeyError, TypeError, ValueError) as exc:
+        table = shard_table(manifest, mpath)
+        side_files = manifest.get("side_files") or {}
+        if not isinstance(side_files, dict) or not all(isinstance(row, dict) for row in side_files.values()):
+            raise CacheFormatError(f"{mpath}: 'side_files' must map file names to objects")
+    except SpeccacheError as exc:
         report.problems.append(Problem(MANIFEST_NAME, f"malformed manifest: {exc}"))
         return report
-    if not manifest.get("complete"):
+    complete = manifest.get("complete") is True
+    if not complete:
         report.problems.append(
             Problem(MANIFEST_NAME, "cache is not complete (still being written or interrupted); re-run the precompute with --resume")
         )
-    table = {row.get("index"): row for row in manifest.get("shards", []) if isinstance(row, dict)}
-    if manifest.get("complete") and sorted(table) != list(range(expected_count)):
+    if complete and sorted(table) != list(range(expected_count)):
         report.problems.append(Problem(MANIFEST_NAME, f"shard table lists {sorted(table)}, expected 0..{expected_count - 1}"))
     present = existing_shard_indices(cache_dir)
     for extra in sorted(present - set(range(expected_count))):
@@ -118,13 +130,19 @@ def verify_cache(cache_dir: str, progress: Iterable[int] | None = None) -> Verif
                 if row.get(key) != value:
                     report.problems.append(Problem(name, f"{key} is {value!r} but the manifest's shard table says {row.get(key)!r}"))
         report.shards.append({"name": name, "samples": shard.num_samples, "tokens": shard_tokens, "bytes": shard.file.size, "xxh3_128": checksum})
-    if manifest.get("complete") and manifest.get("num_tokens") not in (None, tokens) and len(report.shards) == expected_count:
+    if complete and manifest.get("num_tokens") not in (None, tokens) and len(report.shards) == expected_count:
         report.problems.append(Problem(MANIFEST_NAME, f"num_tokens says {manifest.get('num_tokens')} but the shards hold {tokens}"))
-    for side, row in (manifest.get("side_files") or {}).items():
+    for side, row in side_files.items():
         path = os.path.join(cache_dir, side)
         if not os.path.exists(path):
             report.problems.append(Problem(side, "missing side file"))
-        elif file_checksum(path) != row.get("xxh3_128"):
+            continue
+        try:
+            checksum = file_checksum(path)
+        except OSError as exc:
+            report.problems.append(Problem(side, f"cannot read side file: {exc}"))
+            continue
+        if checksum != row.get("xxh3_128"):
             report.problems.append(Problem(side, "side file does not match its checksum in the manifest"))
     return report
 
@@ -152,15 +170,19 @@ def inspect_cache(cache_dir: str) -> dict[str, Any]:
             else:
                 other += end - begin
         other += shard.data_start
-        tokens += int(shard.metadata.get("num_rows", 0)) if shard.metadata.get(SHARD_META_SAMPLES) else 0
+        try:
+            tokens += int(shard.metadata.get("num_rows", 0)) if shard.metadata.get(SHARD_META_SAMPLES) else 0
+        except ValueError:
+            raise CacheCorruptError(f"{shard.path}: shard metadata num_rows={shard.metadata['num_rows']!r} is not a count") from None
     total = sum(key_bytes.values()) + other
     per_token = (lambda b: b / tokens) if tokens else (lambda b: None)
-    side = {name: row.get("bytes") for name, row in (manifest.get("side_files") or {}).items()}
+    side_files = manifest.get("side_files") or {}
+    side = {name: row.get("bytes") for name, row in side_files.items() if isinstance(row, dict)} if isinstance(side_files, dict) else {}
     return {
         "cache_dir": cache_dir,
         "cache_name": manifest.get("cache_name"),
         "format_version": manifest.get("format_version"),
-        "complete": bool(manifest.get("complete")),
+        "complete": manifest.get("complete") is True,
         "num_samples": manifest.get("num_samples"),
         "num_tokens": tokens,
         "shard_size": manifest.get("shard_size"),

@@ -1,0 +1,405 @@
+"""docs/errors.md is true: each listed message is real, and every speccache error is listed.
+
+Each table row of docs/errors.md gives a fragment of a message and the exception
+class (or ``verify`` for a ``speccache verify`` finding). This test
+
+* checks every fragment is in the source (src/speccache);
+* triggers most rows for real and checks the exception class and that the
+  fragment is in the message (or in a verify finding's reason);
+* scans the source for every speccache error constructed with a literal message
+  and fails if no row's fragment covers it, so a new error needs a row.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+import struct
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import speccache.errors as errors_module
+from speccache.encoding import get_encoding
+from speccache.format import KeySpec, MANIFEST_NAME, ShardFile, shard_path, write_manifest, write_safetensors
+from speccache.lock import LOCK_NAME
+from speccache.offline_cache import ensure_supervision_options_match, resume_start_sample, write_tensor_shard
+from speccache.read import CacheDataset
+from speccache.shard import verify_tensor_checksums
+from speccache.synthetic import write_synthetic_cache
+from speccache.verify import VerifyReport, inspect_cache, verify_cache
+from speccache.write import NativeShardWriter, OverlappedShardWriter
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "errors.md"
+SRC = ROOT / "src" / "speccache"
+ROW = re.compile(r"^\|\s*`([^`]+)`\s*\|\s*(`?)([A-Za-z]+)\2\s*\|")
+ARGS = dict(num_samples=10, shard_size=4, hidden=8, max_len=8)
+
+
+def doc_rows() -> dict[str, str]:
+    rows: dict[str, str] = {}
+    section = ""
+    for line in DOC.read_text().splitlines():
+        if line.startswith("#"):
+            section = line
+        m = ROW.match(line)
+        if m and section.startswith("## "):
+            fragment, kind = m.group(1), m.group(3)
+            assert fragment not in rows, f"fragment {fragment!r} is listed twice"
+            rows[fragment] = kind
+    return rows
+
+
+ROWS = doc_rows()
+SOURCE_FILES = sorted(SRC.rglob("*.py"))
+SOURCE = "\n".join(p.read_text() for p in SOURCE_FILES)
+
+
+def test_the_doc_lists_rows_of_known_exception_classes():
+    assert len(ROWS) > 80
+    known = set(errors_module.__all__) | {"verify"} | {n for n in dir(__builtins__ if isinstance(__builtins__, dict) else __builtins__)}
+    assert {kind for kind in ROWS.values()} <= known | {"ValueError", "FileNotFoundError", "NotADirectoryError", "ImportError", "IndexError"}
+
+
+@pytest.mark.parametrize("fragment", sorted(ROWS))
+def test_every_documented_fragment_is_in_the_source(fragment):
+    assert fragment in SOURCE, f"docs/errors.md lists {fragment!r}, which no source file contains"
+
+
+def _literal_text(call: ast.Call) -> str:
+    parts: list[str] = []
+    for node in ast.walk(call):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            parts.append(node.value)
+    return "\x00".join(parts)
+
+
+def test_every_speccache_error_with_a_literal_message_is_documented():
+    classes = set(errors_module.__all__) | {"_RowError"}
+    missing = []
+    for path in SOURCE_FILES:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in classes:
+                text = _literal_text(node)
+                if len(re.sub(r"[^A-Za-z]", "", text)) < 6:  # a wrapper re-raising another message
+                    continue
+                if not any(fragment in text for fragment in ROWS):
+                    missing.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.func.id}({text[:100]!r}...)")
+    assert not missing, "errors missing from docs/errors.md:\n" + "\n".join(missing)
+
+
+# ---------------------------------------------------------------------------
+# triggering the rows
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    base = tmp_path_factory.mktemp("doc")
+    raw = str(base / "raw")
+    write_synthetic_cache(raw, overlap=False, **ARGS)
+    zbf16 = str(base / "zbf16")
+    write_synthetic_cache(zbf16, overlap=False, encoding="zbf16", **ARGS)
+    return {"raw": raw, "zbf16": zbf16}
+
+
+class Env:
+    """A scratch directory with a fresh copy of the cache for each trigger."""
+
+    def __init__(self, tmp: Path, pristine: dict[str, str]) -> None:
+        self.tmp = tmp
+        self.pristine = pristine
+
+    def cache(self, kind: str = "raw") -> str:
+        path = str(self.tmp / f"cache-{kind}")
+        shutil.copytree(self.pristine[kind], path)
+        return path
+
+    @staticmethod
+    def edit_manifest(path: str, edit: Callable[[dict], Any]) -> str:
+        mpath = os.path.join(path, MANIFEST_NAME)
+        manifest = json.loads(Path(mpath).read_text())
+        edit(manifest)
+        Path(mpath).write_text(json.dumps(manifest))
+        return path
+
+    @staticmethod
+    def edit_header(path: str, index: int, edit: Callable[[dict], Any]) -> str:
+        full = shard_path(path, index)
+        data = Path(full).read_bytes()
+        (n,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + n])
+        edit(header)
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        Path(full).write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n :])
+        return full
+
+    def file(self, header: bytes, body: bytes = b"", length: int | None = None) -> str:
+        path = str(self.tmp / "f.safetensors")
+        Path(path).write_bytes(struct.pack("<Q", len(header) if length is None else length) + header + body)
+        return path
+
+    def seed_cache(self, num_samples: int) -> str:
+        path = str(self.tmp / "seed")
+        write_tensor_shard(path, 0, {"a": torch.zeros(2, 3)}, ("a",), "x")
+        write_manifest(path, {"num_samples": num_samples, "shard_size": num_samples}, 1)
+        return path
+
+
+def _read(path: str, **kwargs) -> None:
+    ds = CacheDataset(path, **kwargs)
+    for sample in ds.__getitems__(range(len(ds))):
+        for value in sample.values():
+            value.clone()
+
+
+def _flip_data_byte(path: str, index: int = 1) -> None:
+    full = shard_path(path, index)
+    shard = ShardFile(full)
+    pos = shard.data_start + shard.entries["hidden"][2] + 3
+    del shard
+    data = bytearray(Path(full).read_bytes())
+    data[pos] ^= 0x10
+    Path(full).write_bytes(bytes(data))
+
+
+def _tokenizer():
+    from speccache.demo import build_demo_tokenizer
+
+    return build_demo_tokenizer()
+
+
+def _row(row: Any) -> None:
+    from speccache.data import tokenize_row
+
+    tokenize_row(row, _tokenizer(), 64, where="rows.jsonl:1")
+
+
+def _data_file(env: Env, name: str, content: bytes) -> None:
+    from speccache.data import load_samples
+
+    path = env.tmp / name
+    path.write_bytes(content)
+    load_samples(str(path), _tokenizer(), 64)
+
+
+def _write_lock(path: str) -> None:
+    Path(path, LOCK_NAME).write_text(json.dumps({"host": "node-9", "pid": 7, "since": 0}))
+
+
+def _failing_overlapped_writer() -> None:
+    writer = OverlappedShardWriter(lambda *args: None)
+    try:
+        with writer:
+            raise RuntimeError("the producer failed")
+    except RuntimeError:
+        pass
+    writer("unused", 0, {})
+
+
+def _no_checksums(env: Env) -> None:
+    verify_tensor_checksums(ShardFile(write_safetensors(str(env.tmp / "plain.safetensors"), {"a": torch.zeros(2)}).path))
+
+
+def _shard_table_edit(m: dict) -> None:
+    m["shards"][1]["bytes"] += 1
+
+
+def _offsets_decreasing(env: Env) -> str:
+    path = env.cache()
+    full = shard_path(path, 0)
+    shard = ShardFile(full)
+    pos = shard.data_start + shard.entries["__offsets__"][2] + 8
+    del shard
+    data = bytearray(Path(full).read_bytes())
+    data[pos : pos + 8] = struct.pack("<q", 10**6)
+    Path(full).write_bytes(bytes(data))
+    return path
+
+
+def _undecodable(env: Env) -> str:
+    """Move the end of sample 0's high-byte chunk: it no longer has the raw length, and is no zstd frame."""
+    path = env.cache("zbf16")
+    full = shard_path(path, 0)
+    shard = ShardFile(full)
+    pos = shard.data_start + shard.entries["hidden.hi_offsets"][2] + 8
+    del shard
+    data = bytearray(Path(full).read_bytes())
+    (end,) = struct.unpack("<q", data[pos : pos + 8])
+    data[pos : pos + 8] = struct.pack("<q", end + 1)
+    Path(full).write_bytes(bytes(data))
+    return path
+
+
+def _shard_batch() -> tuple[dict, dict]:
+    from speccache.synthetic import SyntheticSamples, collate_samples, make_compute, synthetic_schema
+
+    samples = SyntheticSamples(4, 1, 8, 0)
+    batch = make_compute(8, torch.bfloat16, 0)(collate_samples([samples[i] for i in range(4)]))
+    return synthetic_schema(8), batch
+
+
+def _unwritable_shard(env: Env) -> None:
+    schema, batch = _shard_batch()
+    NativeShardWriter(schema)(str(_touch(env.tmp / "f")) + "/sub", 0, batch)
+
+
+def _side_file(env: Env, content: bytes | None, mkdir: bool = False) -> VerifyReport:
+    path = env.cache()
+    env.edit_manifest(path, lambda m: m.update(side_files={"side.bin": {"bytes": 3, "xxh3_128": "0" * 32}}))
+    if mkdir:
+        os.mkdir(os.path.join(path, "side.bin"))
+    elif content is not None:
+        Path(path, "side.bin").write_bytes(content)
+    return verify_cache(path)
+
+
+T = Callable[[Env], Any]
+TRIGGERS: dict[str, T] = {
+    # writing and resuming
+    "already holds a cache": lambda e: write_synthetic_cache(e.cache(), **ARGS),
+    "holds shards but no": lambda e: (os.unlink(os.path.join(p := e.cache(), MANIFEST_NAME)), write_synthetic_cache(p, resume=True, **ARGS)),
+    "is a file; choose a directory": lambda e: write_synthetic_cache(str(_touch(e.tmp / "file")), **ARGS),
+    "was written with a different configuration": lambda e: write_synthetic_cache(e.cache(), resume=True, **{**ARGS, "seed": 1}),
+    "is locked by": lambda e: (_write_lock(p := e.cache()), write_synthetic_cache(p, resume=True, **ARGS)),
+    "No partial shard is left under that name": _unwritable_shard,
+    "writing shard ": _unwritable_shard,
+    "writing stopped after an error in the producer": lambda e: _failing_overlapped_writer(),
+    "cannot be stored; use one of": lambda e: KeySpec("x", torch.complex64),
+    "encoding 'fp8' stores only": lambda e: KeySpec("x", torch.int32, encoding="fp8"),
+    "encoding 'zbf16' stores only": lambda e: KeySpec("x", torch.float32, encoding="zbf16"),
+    "cannot store non-finite values": lambda e: get_encoding("fp8").encode(torch.tensor([[float("nan")]]), torch.tensor([0, 1])),
+    "unknown encoding": lambda e: get_encoding("lz4"),
+    # reading
+    "cache manifest not found at": lambda e: CacheDataset(str(e.tmp)),
+    "is not complete: it is still being written or its writer was interrupted":
+        lambda e: CacheDataset(e.edit_manifest(e.cache(), lambda m: m.update(complete=False))),
+    "is not valid JSON": lambda e: (Path(p := e.cache(), MANIFEST_NAME).write_text("{"), CacheDataset(p)),
+    "must hold a JSON object": lambda e: (Path(p := e.cache(), MANIFEST_NAME).write_text("[]"), CacheDataset(p)),
+    "has format_version=": lambda e: CacheDataset(e.edit_manifest(e.cache(), lambda m: m.update(format_version=2))),
+    "Point the reader at a": lambda e: CacheDataset(e.cache(), cache_name="eagle3"),
+    "needs integer 'shard_size' and 'num_samples'": lambda e: CacheDataset(e.edit_manifest(e.cache(), lambda m: m.update(shard_size="x"))),
+    "shard_size must be >= 1 and num_samples >= 0": lambda e: CacheDataset(e.edit_manifest(e.cache(), lambda m: m.update(shard_size=0))),
+    "samples in shards of": lambda e: CacheDataset(e.edit_manifest(e.cache(), lambda m: m.update(shard_size=1, num_samples=10**7))),
+    "'shards' must be a list of objects with an integer 'index'": lambda e: CacheDataset(e.edit_manifest(e.cache(), lambda m: m.update(shards=3))),
+    "the shard table lists an index twice":
+        lambda e: CacheDataset(e.edit_manifest(e.cache(), lambda m: m["shards"].append(m["shards"][0]))),
+    "'keys' must be a non-empty object": lambda e: CacheDataset(e.edit_manifest(e.cache(), lambda m: m.update(keys={}))),
+    "malformed key schema entry": lambda e: CacheDataset(e.edit_manifest(e.cache(), lambda m: m["keys"]["hidden"].pop("shape"))),
+    "unknown dtype": lambda e: CacheDataset(e.edit_manifest(e.cache(), lambda m: m["keys"]["hidden"].update(dtype="int128"))),
+    "are not in the cache; it holds": lambda e: CacheDataset(e.cache(), keys=["nope"]),
+    "a cache without a key schema": lambda e: CacheDataset(e.edit_manifest(e.cache(), lambda m: m.pop("keys"))),
+    "but found shard indices": lambda e: (os.unlink(shard_path(p := e.cache(), 1)), CacheDataset(p)),
+    "has no tensor": lambda e: CacheDataset(e.seed_cache(2), keys=["b"], format_version=1)[0],
+    "samples, expected": lambda e: CacheDataset(e.seed_cache(3), keys=["a"], format_version=1)[0],
+    "file checksum differs from the manifest's shard table": lambda e: (_flip_data_byte(p := e.cache()), _read(p, verify=True)),
+    "does not match its checksum": lambda e: (_flip_data_byte(p := e.cache()), verify_tensor_checksums(ShardFile(shard_path(p, 1)))),
+    "shard metadata has no readable tensor checksums": _no_checksums,
+    "too short for a safetensors header": lambda e: ShardFile(str(_touch(e.tmp / "short", b"1234"))),
+    "exceeds the file size": lambda e: ShardFile(e.file(b"{}", length=999)),
+    "safetensors header is not valid JSON": lambda e: ShardFile(e.file(b"{x      ")),
+    "safetensors header is not a JSON object": lambda e: ShardFile(e.file(b"[]      ")),
+    "__metadata__ must map strings to strings": lambda e: ShardFile(e.file(b'{"__metadata__":{"a":1}}')),
+    "malformed header entry for tensor": lambda e: ShardFile(e.file(b'{"t":{"dtype":"F32"}}')),
+    "which no tensor can have": lambda e: ShardFile(e.file(b'{"t":{"dtype":"F32","shape":[0,4611686018427387904],"data_offsets":[0,0]}}')),
+    "but spans bytes": lambda e: ShardFile(e.file(b'{"t":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}', b"1234")),
+    "tensor data is not contiguous": lambda e: ShardFile(e.file(b'{"t":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}}', b"1234")),
+    "header covers": lambda e: ShardFile(e.file(b'{"t":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}', b"12345678")),
+    "the shard is not from this cache or from another speccache version":
+        lambda e: (e.edit_header(p := e.cache(), 1, lambda h: h["__metadata__"].update(speccache_format="9")), _read(p)),
+    "records shard index": lambda e: (shutil.copy(shard_path(p := e.cache(), 0), shard_path(p, 1)), _read(p)),
+    "the schema needs": lambda e: _read(e.edit_manifest(e.cache(), lambda m: m["keys"].update(mask=m["keys"].pop("loss_mask")))),
+    "the manifest expects": lambda e: _read(e.edit_manifest(e.cache(), lambda m: m.update(num_samples=11))),
+    "is not a count (damaged header)": lambda e: (e.edit_header(p := e.cache(), 1, lambda h: h["__metadata__"].update(num_samples="x")), _read(p)),
+    "must be int64": lambda e: (e.edit_header(p := e.cache(), 1, lambda h: h["__offsets__"].update(dtype="F64")), _read(p)),
+    "are not non-decreasing from 0": lambda e: _read(_offsets_decreasing(e)),
+    "the manifest says": lambda e: _read(e.edit_manifest(e.cache(), lambda m: m["keys"]["hidden"].update(shape=[9]))),
+    ", but key": lambda e: _read(e.edit_manifest(e.cache("zbf16"), lambda m: m["keys"]["hidden"].update(shape=[9]))),
+    "cannot be decoded": lambda e: _read(_undecodable(e)),
+    "shard metadata num_rows=": lambda e: (e.edit_header(p := e.cache(), 1, lambda h: h["__metadata__"].update(num_rows="x")), inspect_cache(p)),
+    "does not record": lambda e: ensure_supervision_options_match({}, {"opt": True}, "EAGLE-3", "/c", "precompute"),
+    "was built with": lambda e: ensure_supervision_options_match({"opt": False}, {"opt": True}, "EAGLE-3", "/c", "precompute"),
+    "expects existing shards to be a contiguous prefix": lambda e: resume_start_sample({0, 2}, 4),
+    "write_shard is missing required": lambda e: write_tensor_shard(str(e.tmp / "w"), 0, {}, ("a",), "x"),
+    "sample index out of range": lambda e: CacheDataset(e.cache())[10**6],
+    # input data
+    "data file not found": lambda e: _load(e.tmp / "missing.jsonl"),
+    "data path is not a file": lambda e: _load(e.tmp),
+    "unsupported data file extension": lambda e: _data_file(e, "rows.csv", b"a,b"),
+    "not valid UTF-8": lambda e: _data_file(e, "rows.json", b'["\xff"]'),
+    "invalid JSON": lambda e: _data_file(e, "rows.jsonl", b"{"),
+    "a .json data file must hold a JSON list": lambda e: _data_file(e, "rows.json", b"{}"),
+    "expected a JSON object per row": lambda e: _data_file(e, "rows.jsonl", b"[1]"),
+    "a row needs exactly one of": lambda e: _row({"text": "hi"}),
+    "must be a non-empty list of messages": lambda e: _row({"messages": []}),
+    "must be an object with": lambda e: _row({"messages": ["hi"]}),
+    "must be one of": lambda e: _row({"messages": [{"role": "robot", "content": "hi"}]}),
+    "must be a string, got": lambda e: _row({"messages": [{"role": "user", "content": [{"text": "hi"}]}]}),
+    "starts with an assistant message": lambda e: _row({"messages": [{"role": "assistant", "content": "hi"}]}),
+    "must be a non-empty list of integer ids": lambda e: _row({"input_ids": [], "loss_mask": []}),
+    "a pre-tokenized row needs 'loss_mask'": lambda e: _row({"input_ids": [1, 2]}),
+    "entries but 'input_ids' has": lambda e: _row({"input_ids": [1, 2], "loss_mask": [1]}),
+    "chat rows need a tokenizer with a chat template": lambda e: _row_without_template(),
+    # verify findings
+    "missing shard": lambda e: (os.unlink(shard_path(p := e.cache(), 1)), verify_cache(p))[1],
+    "unexpected shard: not part of this cache": lambda e: (shutil.copy(shard_path(p := e.cache(), 0), shard_path(p, 9)), verify_cache(p))[1],
+    "is not complete (still being written or interrupted)": lambda e: verify_cache(e.edit_manifest(e.cache(), lambda m: m.update(complete=False))),
+    "shard table lists": lambda e: verify_cache(e.edit_manifest(e.cache(), lambda m: m["shards"].pop())),
+    "but the manifest's shard table says": lambda e: verify_cache(e.edit_manifest(e.cache(), _shard_table_edit)),
+    "num_tokens says": lambda e: verify_cache(e.edit_manifest(e.cache(), lambda m: m.update(num_tokens=m["num_tokens"] + 1))),
+    "malformed manifest": lambda e: verify_cache(e.edit_manifest(e.cache(), lambda m: m.update(num_samples="x"))),
+    "with no speccache key schema": lambda e: verify_cache(e.edit_manifest(e.cache(), lambda m: m.pop("keys"))),
+    "this speccache reads version": lambda e: verify_cache(e.edit_manifest(e.cache(), lambda m: m.update(format_version=2))),
+    "missing side file": lambda e: _side_file(e, None),
+    "side file does not match its checksum": lambda e: _side_file(e, b"abc"),
+    "cannot read side file": lambda e: _side_file(e, None, mkdir=True),
+}  # fmt: skip
+
+
+def _touch(path: Path, content: bytes = b"x") -> Path:
+    path.write_bytes(content)
+    return path
+
+
+def _load(path: Path) -> None:
+    from speccache.data import load_samples
+
+    load_samples(str(path), _tokenizer(), 64)
+
+
+def _row_without_template() -> None:
+    from speccache.data import tokenize_row
+
+    tokenizer = _tokenizer()
+    tokenizer.chat_template = None
+    tokenize_row({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, tokenizer, 64, where="r:1")
+
+
+def test_triggers_name_documented_rows():
+    assert set(TRIGGERS) <= set(ROWS), sorted(set(TRIGGERS) - set(ROWS))
+    assert len(TRIGGERS) >= 0.6 * len(ROWS), f"only {len(TRIGGERS)} of {len(ROWS)} rows are triggered"
+
+
+@pytest.mark.parametrize("fragment", sorted(TRIGGERS))
+def test_triggered_message_contains_the_documented_fragment(fragment, pristine, tmp_path):
+    kind = ROWS[fragment]
+    env = Env(tmp_path, pristine)
+    try:
+        result = TRIGGERS[fragment](env)
+    except Exception as exc:  # noqa: BLE001 - checked below
+        assert kind != "verify", f"expected a verify finding, got {type(exc).__name__}: {exc}"
+        names = [c.__name__ for c in type(exc).__mro__]
+        assert kind in names, f"expected {kind}, got {type(exc).__name__}: {exc}"
+        assert fragment in str(exc), f"{fragment!r} is not in the message: {exc}"
+        return
+    assert kind == "verify", f"expected {kind}, nothing was raised"
+    assert isinstance(result, VerifyReport)
+    reasons = [p.reason for p in result.problems]
+    assert any(fragment in r for r in reasons), f"{fragment!r} is not in any finding: {reasons}"
