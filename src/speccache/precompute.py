@@ -36,7 +36,7 @@ from speccache.eagle3 import (
     vocab_mapping,
 )
 from speccache.errors import DataError
-from speccache.format import LENGTHS_KEY, Schema, write_safetensors
+from speccache.format import LENGTHS_KEY, Schema, load_manifest_json, manifest_path, write_safetensors
 from speccache.write import OverlappedShardWriter, compute_shard_runs, partition_cache_shards
 
 log = logging.getLogger("speccache.precompute")
@@ -352,30 +352,9 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
         written = write_safetensors(os.path.join(cfg.out, SIDE_FILE), tensors, {"speccache_side": CACHE_NAME})
         writer.manifest["side_files"] = {SIDE_FILE: {"bytes": written.bytes, "xxh3_128": written.checksum}}
 
-    todo = writer.begin(write_side_files=write_side_file)
-    if comm.rank != 0:
-        writer.manifest["side_files"] = _side_files_of(cfg.out)
     pad_id = plan.tokenizer.pad_token_id if isinstance(plan.tokenizer.pad_token_id, int) else 0
     loader = DataLoader(TokenizedDataset(plan.samples), batch_size=cfg.batch_size, collate_fn=lambda b: pad_tokens(b, pad_id))
-    todo_samples = sum(min(cfg.shard_size, len(plan.samples) - i * cfg.shard_size) for i in todo)
-    bar = _progress(todo_samples, enabled=progress and comm.rank == 0)
-    started = time.monotonic()
-
-    def on_batch(out: dict[str, torch.Tensor]) -> None:
-        bar.update(int(out[LENGTHS_KEY].numel()), int(out[LENGTHS_KEY].sum()), writer.shard_writer.records)
-
     ragged = [k for k, s in plan.schema.items() if s.ragged]
-    try:
-        with OverlappedShardWriter(writer.shard_writer) as write_fn:
-            compute_shard_runs(
-                loader, cfg.out, cfg.shard_size, todo, target.compute_batch, write_fn, log, ragged_keys=ragged,
-                sync_max_steps=comm.max_int if comm.world_size > 1 else None, on_batch=on_batch,
-            )
-    except BaseException:
-        writer.close()
-        raise
-    finally:
-        bar.close()
     itemsize = torch.empty((), dtype=DTYPES[cfg.dtype]).element_size()
     stats = {
         "rows_read": plan.stats.rows_read,
@@ -386,16 +365,33 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
         "tokens": plan.num_tokens,
         "padded_probs_bytes": padded_probs_bytes(len(plan.samples), cfg.max_length, plan.hidden_size, plan.draft_vocab_size, itemsize),
     }
+    started = time.monotonic()
+    todo = writer.begin(write_side_files=write_side_file)
+    # From here on this run holds the lock: any failure releases it before propagating.
+    try:
+        if comm.rank != 0:
+            writer.manifest["side_files"] = dict(load_manifest_json(manifest_path(cfg.out)).get("side_files") or {})
+        todo_samples = sum(min(cfg.shard_size, len(plan.samples) - i * cfg.shard_size) for i in todo)
+        bar = _progress(todo_samples, enabled=progress and comm.rank == 0)
+
+        def on_batch(out: dict[str, torch.Tensor]) -> None:
+            bar.update(int(out[LENGTHS_KEY].numel()), int(out[LENGTHS_KEY].sum()), writer.shard_writer.records)
+
+        try:
+            with OverlappedShardWriter(writer.shard_writer) as write_fn:
+                compute_shard_runs(
+                    loader, cfg.out, cfg.shard_size, todo, target.compute_batch, write_fn, log, ragged_keys=ragged,
+                    sync_max_steps=comm.max_int if comm.world_size > 1 else None, on_batch=on_batch,
+                )
+        finally:
+            bar.close()
+    except BaseException:
+        writer.close()
+        raise
     manifest = writer.seal({"stats": stats})
     if comm.rank == 0 and progress:
         print(summary_line(manifest, time.monotonic() - started))
     return manifest
-
-
-def _side_files_of(cache_dir: str) -> dict[str, Any]:
-    from speccache.format import load_manifest_json, manifest_path
-
-    return dict(load_manifest_json(manifest_path(cache_dir)).get("side_files") or {})
 
 
 def summary_line(manifest: dict[str, Any], seconds: float) -> str:
