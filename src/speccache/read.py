@@ -6,16 +6,22 @@ are opened (one ``mmap`` each) on first use in each process, kept in an LRU of
 method each open their own. ``__getitems__`` (used by the DataLoader for a whole
 batch) returns :class:`SampleView` objects, which only record where each sample
 lies; the collators then read each sample's bytes once, straight from the shard
-file into the batch tensors (``pread`` rather than copying from the mapping:
-faulting a fresh mapping in costs as much as the copy itself, and the reads of
-a batch are announced to the kernel first so that cold ones proceed in parallel).
+file into the batch tensors: long runs with ``pread`` (faulting a fresh mapping
+in costs about as much as the copy itself), the uncached ones of a batch
+announced to the kernel together so that the disk reads them in parallel;
+short runs from the mapping. :meth:`CacheDataset.prefetch` lets a sampler
+announce the next samples while a batch is read.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import math
+import mmap
 import os
+import sys
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Collection, Iterable, Iterator, Mapping, MutableMapping, Sequence
@@ -83,13 +89,13 @@ class _KeyInfo:
 
 
 def _key_info(dtype: torch.dtype, shape: tuple[int, ...], ragged: bool) -> _KeyInfo:
-    return _KeyInfo(dtype, tuple(shape), ragged, math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+    return _KeyInfo(dtype, tuple(shape), ragged, math.prod(shape) * dtype.itemsize)
 
 
 class _OpenShard:
     """A shard opened by a :class:`CacheDataset`: its decoder plus what reading raw rows from the file needs."""
 
-    __slots__ = ("shard", "path", "keys", "infos", "bases", "mapped", "row_offsets", "_file", "fd")
+    __slots__ = ("shard", "path", "keys", "infos", "bases", "mapped", "long", "row_offsets", "_file", "fd")
 
     def __init__(self, shard: Any, file: Any, keys: tuple[str, ...], infos: dict[str, _KeyInfo], raw: Sequence[str]) -> None:
         self.shard = shard
@@ -103,8 +109,22 @@ class _OpenShard:
         self.mapped = {k: bytes_view(shard.file.tensor(k)) for k in raw}
         """The bytes of each raw key in the shard's mapping."""
         self.row_offsets: list[int] = shard.row_offsets
+        most = max((b - a for a, b in zip(self.row_offsets, self.row_offsets[1:])), default=0)
+        self.long = {
+            k: shard.file.data_start + entries[k][2]
+            for k in raw
+            if (most if infos[k].ragged else 1) * infos[k].row_bytes >= _PREAD_BYTES
+        }
+        """The file offsets of the raw keys with samples long enough for ``pread``, which :meth:`CacheDataset.prefetch` announces."""
         self._file = file
         self.fd: int = file.fileno()
+
+    def span(self, key: str, local: int) -> tuple[int, int]:
+        """Byte range of sample ``local``'s rows of raw key ``key``, from the key's first row."""
+        info = self.infos[key]
+        if info.ragged:
+            return self.row_offsets[local] * info.row_bytes, self.row_offsets[local + 1] * info.row_bytes
+        return local * info.row_bytes, (local + 1) * info.row_bytes
 
     def sample(self, key: str, local: int) -> torch.Tensor:
         """Sample ``local``'s tensor of ``key``: a view of the mapping, or decoded."""
@@ -168,6 +188,63 @@ class SampleView(MutableMapping[str, torch.Tensor]):
     def _as_read(self, key: str) -> bool:
         """Whether ``key`` holds the shard's data (present, never set)."""
         return key in self._keys and (self._set is None or key not in self._set)
+
+
+# ---------------------------------------------------------------------------
+# reading rows from the shard files
+
+
+_PREAD_BYTES = 64 << 10
+"""Runs of rows at least this long are read with ``pread`` (announcing the uncached ones first, ``POSIX_FADV_WILLNEED``).
+
+Shorter ones are copied from the mapping: a syscall each would cost more than the
+copy, and a fault on a cold page reads its neighbours too (read-around).
+"""
+
+_advise = getattr(os, "posix_fadvise", None)
+_ADVICE_BYTES = 128 << 10
+"""The kernel reads at most its read-ahead size (128 KiB by default) per ``WILLNEED``: longer ranges are announced in pieces."""
+
+
+def _will_need(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start reading ``[offset, offset + nbytes)`` of ``fd`` into the page cache."""
+    if _advise is None:
+        return
+    end = offset + nbytes
+    while offset < end:
+        _advise(fd, offset, min(_ADVICE_BYTES, end - offset), os.POSIX_FADV_WILLNEED)
+        offset += _ADVICE_BYTES
+
+
+_NOWAIT = [getattr(os, "RWF_NOWAIT", 0)]
+"""``RWF_NOWAIT`` while the kernel and file system take it (a one-element list: switched off on the first refusal)."""
+
+
+def _cached_prefix(source: _OpenShard, dst: memoryview, offset: int) -> int:
+    """Read what the page cache holds of ``dst``'s range without waiting for the disk; the bytes read."""
+    if not _NOWAIT[0]:
+        return 0
+    try:
+        return os.preadv(source.fd, [dst], offset, _NOWAIT[0])
+    except BlockingIOError:
+        return 0
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        _NOWAIT[0] = 0
+        return 0
+
+
+def _pread_into(source: _OpenShard, dst: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(dst):
+        got = os.preadv(source.fd, [dst[done:]], offset + done)
+        if got <= 0:
+            raise CacheCorruptError(
+                f"{source.path}: ends before byte {offset + len(dst)} that its header promises (truncated while open?). "
+                "Delete the shard and re-run the producer with --resume."
+            )
+        done += got
 
 
 class CacheDataset(Dataset):
@@ -325,17 +402,37 @@ class CacheDataset(Dataset):
     def _views(self, indices: Sequence[int]) -> list[Sample]:
         if isinstance(indices, torch.Tensor):
             indices = indices.tolist()
-        n, size = self.num_samples, self.shard_size
         out: list[Sample] = []
         for index in indices:
-            i = int(index)
-            if i < 0:
-                i += n
-            if not 0 <= i < n:
-                raise IndexError(f"sample index out of range for a cache of {n} samples")
-            shard, local = divmod(i, size)
+            shard, local = self._split(index)
             out.append(SampleView(self._open_shard(shard), local))
         return out
+
+    def _split(self, index: int) -> tuple[int, int]:
+        """``(shard, sample within the shard)`` of sample ``index`` (negative counts from the end)."""
+        i = int(index)
+        if i < 0:
+            i += self.num_samples
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample index out of range for a cache of {self.num_samples} samples")
+        return divmod(i, self.shard_size)
+
+    def prefetch(self, indices: Iterable[int]) -> None:
+        """Ask the kernel to start reading these samples' long raw rows into the page cache; returns at once.
+
+        The ``prefetch`` hook of :class:`speccache.sampler.LocalityShuffleSampler`, which
+        announces the next samples while the current batch is read, so that the disk
+        never waits for the reader. Only reads that would go to ``pread`` and are not
+        cached are announced; short ones rely on the kernel's read-around of the mapping.
+        """
+        probe = memoryview(bytearray(1))
+        for index in indices:
+            shard, local = self._split(index)
+            opened = self._open_shard(shard)
+            for key, base in opened.long.items():
+                start, end = opened.span(key, local)
+                if end - start >= _PREAD_BYTES and not _cached_prefix(opened, probe, base + start):
+                    _will_need(opened.fd, base + start, end - start)
 
     def sample_lengths(self) -> list[int]:
         """Rows of each sample's ragged keys (all 1 when no key is ragged); reads only shard offsets."""
@@ -370,32 +467,69 @@ def _pin() -> bool:
     return torch.cuda.is_available() and get_worker_info() is None
 
 
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """An uninitialised batch tensor: pinned if asked, in shared memory inside a DataLoader worker."""
+class _BufferPool:
+    """Hands out batch tensors in memory that earlier batches no longer use.
+
+    Fresh memory costs a page fault per 4 KiB page on first write, about as much
+    as copying the data into it; pinned batches get reused memory from CUDA's
+    host allocator, and this gives the unpinned ones of the main process the
+    same. A buffer is reused only once nothing references it: every tensor made
+    from it (views included) holds a reference to its ``mmap`` through its storage.
+    Anonymous mappings rather than numpy arrays: numpy asks for transparent huge
+    pages, into which the kernel copies file data at half the speed.
+    """
+
+    MIN_BYTES = 1 << 20
+    CAPACITY = 8
+
+    def __init__(self) -> None:
+        self._buffers: list[mmap.mmap] = []
+        self._idle_refs: list[int] = []
+        self._lock = threading.Lock()
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor; plain ``torch.empty`` below :attr:`MIN_BYTES` or when every buffer is in use."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < self.MIN_BYTES:
+            return torch.empty(shape, dtype=dtype)
+        with self._lock:  # until the tensor holds its buffer, another thread would find the buffer idle
+            buffer = self._take(nbytes)
+            if buffer is None:
+                return torch.empty(shape, dtype=dtype)
+            return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+    def _take(self, nbytes: int) -> mmap.mmap | None:
+        idle = [i for i in range(len(self._buffers)) if sys.getrefcount(self._buffers[i]) == self._idle_refs[i]]
+        fitting = [i for i in idle if len(self._buffers[i]) >= nbytes]
+        if fitting:
+            return self._buffers[min(fitting, key=lambda i: len(self._buffers[i]))]
+        if len(self._buffers) >= self.CAPACITY:
+            if not idle:
+                return None
+            smallest = min(idle, key=lambda i: len(self._buffers[i]))
+            self._buffers.pop(smallest).close()
+            del self._idle_refs[smallest]
+        # Room for batches somewhat longer than this one, so that varying lengths still find a buffer. Private:
+        # a process forked from this one must not write into this one's batches.
+        self._buffers.append(mmap.mmap(-1, nbytes + nbytes // 4, flags=mmap.MAP_PRIVATE))
+        self._idle_refs.append(sys.getrefcount(self._buffers[-1]))
+        return self._buffers[-1]
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, pool: _BufferPool | None) -> torch.Tensor:
+    """An uninitialised batch tensor: pinned if asked, in shared memory inside a DataLoader worker, else from ``pool``."""
     if pin:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     if get_worker_info() is not None:
         # A worker hands its batch over through shared memory; allocating it there saves a copy (as default_collate does).
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         return torch.empty(0, dtype=dtype).set_(torch.UntypedStorage._new_shared(nbytes), 0, shape)
-    return torch.empty(shape, dtype=dtype)
+    return pool.empty(shape, dtype) if pool is not None else torch.empty(shape, dtype=dtype)
 
 
-def _stack(tensors: list[torch.Tensor], pin: bool) -> torch.Tensor:
+def _stack(tensors: list[torch.Tensor], pin: bool, pool: _BufferPool | None) -> torch.Tensor:
     first = tensors[0]
-    return torch.stack(tensors, out=_empty((len(tensors), *first.shape), first.dtype, pin))
-
-
-# --- the fast path: a batch of SampleViews is read from the shard files into the batch tensors
-
-_PREAD_BYTES = 64 << 10
-"""Runs of rows at least this long are read with ``pread``, after announcing all of them (``POSIX_FADV_WILLNEED``).
-
-Shorter ones are copied from the mapping: a syscall each would cost more than the
-copy, and a fault on a cold page reads its neighbours too (read-around).
-"""
-
-_advise = getattr(os, "posix_fadvise", None)
+    return torch.stack(tensors, out=_empty((len(tensors), *first.shape), first.dtype, pin, pool))
 
 
 def _view_layouts(samples: Sequence[Mapping[str, torch.Tensor]]) -> tuple[dict[str, _KeyInfo] | None, bool]:
@@ -430,30 +564,19 @@ def _row_counts(samples: Sequence[Any]) -> list[int]:
     return counts
 
 
-def _pread_into(source: _OpenShard, dst: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(dst):
-        got = os.preadv(source.fd, [dst[done:]], offset + done)
-        if got <= 0:
-            raise CacheCorruptError(
-                f"{source.path}: ends before byte {offset + len(dst)} that its header promises (truncated while open?). "
-                "Delete the shard and re-run the producer with --resume."
-            )
-        done += got
-
-
 def _read_into(out: torch.Tensor, samples: Sequence[Any], key: str, info: _KeyInfo, dst: Sequence[int]) -> None:
     """Copy each sample's rows of ``key`` into the bytes of ``out``, sample ``i`` from byte ``dst[i]``."""
     mv = bytes_view(out)
-    row_bytes = info.row_bytes
     large: list[tuple[_OpenShard, int, int, int]] = []
     encoded: list[tuple[Any, int]] = []
+    row_bytes = info.row_bytes
     for s, d in zip(samples, dst):
         source, local = s._shard, s._local
         base = source.bases[key]
         if base is None:
             encoded.append((s, d))
             continue
+        # _OpenShard.span, inlined: this runs for every sample and key of a batch.
         if info.ragged:
             start, end = source.row_offsets[local] * row_bytes, source.row_offsets[local + 1] * row_bytes
         else:
@@ -463,10 +586,17 @@ def _read_into(out: torch.Tensor, samples: Sequence[Any], key: str, info: _KeyIn
             large.append((source, base + start, end - start, d))
         else:
             mv[d : d + end - start] = source.mapped[key][start:end]
-    if _advise is not None and len(large) > 1:
-        for source, offset, nbytes, _ in large:
-            _advise(source.fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+    # What is cached is copied at once; the rest is announced as a whole, so the disk works on every miss
+    # of the batch at the same time, and then read in order.
+    missed: list[tuple[_OpenShard, int, int, int]] = []
     for source, offset, nbytes, d in large:
+        got = _cached_prefix(source, mv[d : d + nbytes], offset)
+        if got < nbytes:
+            missed.append((source, offset + got, nbytes - got, d + got))
+    if len(missed) > 1:
+        for source, offset, nbytes, _ in missed:
+            _will_need(source.fd, offset, nbytes)
+    for source, offset, nbytes, d in missed:
         _pread_into(source, mv[d : d + nbytes], offset)
     if encoded:
         _decode_into(mv, encoded, key, info)
@@ -490,22 +620,49 @@ def _decode_into(mv: memoryview, members: list[tuple[Any, int]], key: str, info:
                 mv[d : d + len(data)] = data
 
 
+_ZEROS = memoryview(bytes(1 << 16))
+
+
 def _pad_rows(out: torch.Tensor, lengths: list[int], pad: float | int | bool) -> None:
     """Fill rows ``lengths[b]:`` of each ``out[b]`` with ``pad``."""
     longest = out.shape[1]
     shortest = min(lengths)
-    if shortest == longest or out.numel() == 0:
+    row_bytes = math.prod(out.shape[2:]) * out.element_size()
+    if shortest == longest or not row_bytes:
         return
-    fill = bytes_view(torch.empty((longest - shortest, *out.shape[2:]), dtype=out.dtype).fill_(pad))
-    row_bytes = len(fill) // (longest - shortest)
+    row_shape = out.shape[2:]
+    if bytes(bytes_view(torch.empty((1, *row_shape), dtype=out.dtype).fill_(pad))) == bytes(row_bytes):
+        fill = _ZEROS  # zero bytes come from one fixed block, copied as often as needed
+    else:
+        fill = bytes_view(torch.empty((longest - shortest, *row_shape), dtype=out.dtype).fill_(pad))
     mv = bytes_view(out)
     stride = longest * row_bytes
     for b, n in enumerate(lengths):
-        if n < longest:
-            mv[b * stride + n * row_bytes : (b + 1) * stride] = fill[: (longest - n) * row_bytes]
+        position, end = b * stride + n * row_bytes, (b + 1) * stride
+        while position < end:
+            step = min(end - position, len(fill))
+            mv[position : position + step] = fill[:step]
+            position += step
 
 
-class PadCollator:
+class _Collator:
+    """What both collators share: the pool of batch memory, which stays in the process that made it."""
+
+    def __init__(self, pin_memory: bool | None) -> None:
+        self.pin_memory = pin_memory
+        self._pool = _BufferPool()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_pool"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pool = _BufferPool()
+
+
+class PadCollator(_Collator):
     """Batches samples by padding ragged keys to the longest sample.
 
     Output: fixed keys stacked ``[B, *shape]``; ragged keys ``[B, T_max, *shape]``
@@ -523,38 +680,39 @@ class PadCollator:
     def __init__(
         self, ragged_keys: Collection[str], pad_values: Mapping[str, float | int | bool] | None = None, pin_memory: bool | None = None
     ) -> None:
+        super().__init__(pin_memory)
         self.ragged_keys = frozenset(ragged_keys)
         self.pad_values = dict(pad_values or {})
-        self.pin_memory = pin_memory
 
     def __call__(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         pin = _pin() if self.pin_memory is None else self.pin_memory
         infos, untouched = _view_layouts(samples)
         batch: dict[str, torch.Tensor] = {}
         lengths: list[int] | None = None
+        counts: list[int] | None = None  # rows per sample, shared by every ragged key read from the shards
         for key in samples[0]:
             ragged = key in self.ragged_keys
             info = _readable(samples, infos, untouched, key, ragged)
             if info is not None and not ragged:
-                batch[key] = out = _empty((len(samples), *info.shape), info.dtype, pin)
+                batch[key] = out = _empty((len(samples), *info.shape), info.dtype, pin, self._pool)
                 _read_into(out, samples, key, info, range(0, len(samples) * info.row_bytes, info.row_bytes))
                 continue
             if info is not None:
-                lengths = _row_counts(samples)
+                lengths = counts = counts or _row_counts(samples)
                 longest = max(lengths)
-                batch[key] = out = _empty((len(samples), longest, *info.shape), info.dtype, pin)
+                batch[key] = out = _empty((len(samples), longest, *info.shape), info.dtype, pin, self._pool)
                 stride = longest * info.row_bytes
                 _read_into(out, samples, key, info, range(0, len(samples) * stride, stride))
                 _pad_rows(out, lengths, self.pad_values.get(key, 0))
                 continue
             tensors = [s[key] for s in samples]
             if not ragged:
-                batch[key] = _stack(tensors, pin)
+                batch[key] = _stack(tensors, pin, self._pool)
                 continue
             lengths = [t.shape[0] for t in tensors]
             longest = max(lengths)
             first = tensors[0]
-            out = _empty((len(tensors), longest, *first.shape[1:]), first.dtype, pin)
+            out = _empty((len(tensors), longest, *first.shape[1:]), first.dtype, pin, self._pool)
             pad = self.pad_values.get(key, 0)
             for row, t in zip(out, tensors):
                 row[: t.shape[0]].copy_(t)
@@ -567,7 +725,7 @@ class PadCollator:
         return batch
 
 
-class PackCollator:
+class PackCollator(_Collator):
     """Batches samples by concatenating ragged keys (no padding), for varlen attention.
 
     Output: ragged keys ``[sum T, *shape]``, ``cu_seqlens`` (int32 ``[B + 1]``),
@@ -580,34 +738,35 @@ class PackCollator:
     """
 
     def __init__(self, ragged_keys: Collection[str], pin_memory: bool | None = None) -> None:
+        super().__init__(pin_memory)
         self.ragged_keys = frozenset(ragged_keys)
-        self.pin_memory = pin_memory
 
     def __call__(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         pin = _pin() if self.pin_memory is None else self.pin_memory
         infos, untouched = _view_layouts(samples)
         batch: dict[str, torch.Tensor] = {}
         lengths: list[int] | None = None
+        counts: list[int] | None = None  # rows per sample, shared by every ragged key read from the shards
         for key in samples[0]:
             ragged = key in self.ragged_keys
             info = _readable(samples, infos, untouched, key, ragged)
             if info is not None and not ragged:
-                batch[key] = out = _empty((len(samples), *info.shape), info.dtype, pin)
+                batch[key] = out = _empty((len(samples), *info.shape), info.dtype, pin, self._pool)
                 _read_into(out, samples, key, info, range(0, len(samples) * info.row_bytes, info.row_bytes))
                 continue
             if info is not None:
-                lengths = _row_counts(samples)
-                batch[key] = out = _empty((sum(lengths), *info.shape), info.dtype, pin)
+                lengths = counts = counts or _row_counts(samples)
+                batch[key] = out = _empty((sum(lengths), *info.shape), info.dtype, pin, self._pool)
                 starts = itertools.accumulate(lengths[:-1], initial=0)
                 _read_into(out, samples, key, info, [start * info.row_bytes for start in starts])
                 continue
             tensors = [s[key] for s in samples]
             if not ragged:
-                batch[key] = _stack(tensors, pin)
+                batch[key] = _stack(tensors, pin, self._pool)
                 continue
             lengths = [t.shape[0] for t in tensors]
             first = tensors[0]
-            out = _empty((sum(lengths), *first.shape[1:]), first.dtype, pin)
+            out = _empty((sum(lengths), *first.shape[1:]), first.dtype, pin, self._pool)
             batch[key] = torch.cat(tensors, out=out)
         if lengths is not None:
             lens = torch.tensor(lengths, dtype=torch.int64)

@@ -27,12 +27,17 @@ epoch and records them; on resume it hands that count back::
 The sequence is computed in the main process, so the number of DataLoader
 workers does not change it, and it is a pure function of
 ``(seed, epoch, len, shard_size, window, world_size, rank, drop_last)``.
+
+Reading ahead. With ``prefetch=dataset.prefetch`` (see
+:meth:`speccache.read.CacheDataset.prefetch`) the sampler announces the samples
+it will yield next, so that the disk reads them while the current batch is
+copied.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Iterator, Sized
+from typing import Callable, Iterator, Sized
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -58,6 +63,12 @@ class LocalityShuffleSampler(Sampler[int]):
         rank: this process's rank.
         world_size: number of ranks.
         drop_last: drop the tail that does not divide evenly among ranks instead of padding.
+        prefetch: called with indices this rank will yield soon, keeping ``prefetch_ahead`` of them
+            announced beyond the current position, e.g. :meth:`speccache.read.CacheDataset.prefetch`,
+            so that the disk reads the next batches while this one is processed. It runs where the
+            sampler is iterated: the DataLoader's main process, whose page cache its workers share.
+        prefetch_ahead: how many indices ``prefetch`` stays ahead (default ``4 * shard_size``: a deep
+            queue of reads keeps a disk busier than a shallow one).
 
     Raises:
         ValueError: a non-positive ``shard_size``, ``window`` or ``world_size``, or ``rank`` out of range.
@@ -73,11 +84,15 @@ class LocalityShuffleSampler(Sampler[int]):
         rank: int = 0,
         world_size: int = 1,
         drop_last: bool = False,
+        prefetch: Callable[[list[int]], object] | None = None,
+        prefetch_ahead: int | None = None,
     ) -> None:
         num_samples = len(data) if isinstance(data, Sized) else operator.index(data)
         if num_samples < 0:
             raise ValueError(f"dataset length must be >= 0, got {num_samples}")
-        for name, value in (("shard_size", shard_size), ("window", window), ("world_size", world_size)):
+        prefetch_ahead = 4 * shard_size if prefetch_ahead is None else prefetch_ahead
+        checked = (("shard_size", shard_size), ("window", window), ("world_size", world_size), ("prefetch_ahead", prefetch_ahead))
+        for name, value in checked:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -89,6 +104,8 @@ class LocalityShuffleSampler(Sampler[int]):
         self.rank = rank
         self.world_size = world_size
         self.drop_last = drop_last
+        self.prefetch = prefetch
+        self.prefetch_ahead = prefetch_ahead
         if drop_last:
             self.per_rank = num_samples // world_size
         else:
@@ -126,7 +143,19 @@ class LocalityShuffleSampler(Sampler[int]):
         return order[self.rank * self.per_rank : (self.rank + 1) * self.per_rank]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.rank_order()[self.start :].tolist())
+        order = self.rank_order()[self.start :].tolist()
+        return iter(order) if self.prefetch is None else self._prefetching(order)
+
+    def _prefetching(self, order: list[int]) -> Iterator[int]:
+        assert self.prefetch is not None
+        step = max(1, self.prefetch_ahead // 2)
+        announced = 0
+        for a in range(0, len(order), step):
+            want = min(len(order), a + step + self.prefetch_ahead)
+            if want > announced:
+                self.prefetch(order[announced:want])
+                announced = want
+            yield from order[a : a + step]
 
     def __len__(self) -> int:
         """Indices the next pass yields: ``per_rank - start``."""

@@ -15,6 +15,7 @@ import math
 import numbers
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Callable, Collection, Iterable, Mapping
@@ -270,21 +271,29 @@ class OverlappedShardWriter:
         self._write = write_shard_fn
         self._queue: queue.Queue[tuple[str, int, Batch] | None] = queue.Queue(maxsize=depth)
         self._error: ShardWriteError | None = None
+        self._stop = threading.Event()
+        self._writing = False
         self._thread = threading.Thread(target=self._run, name="speccache-shard-writer", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
+        while not self._stop.is_set():
+            try:
+                item = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if item is None or self._stop.is_set():
                 return
             if self._error is not None:
                 continue
             output_dir, index, samples = item
+            self._writing = True
             try:
                 self._write(output_dir, index, samples)
             except BaseException as exc:  # noqa: BLE001 - surfaced in the caller's thread
                 self._error = exc if isinstance(exc, ShardWriteError) else _write_failure(shard_path(output_dir, index), exc)
+            finally:
+                self._writing = False
 
     def _raise_pending(self) -> None:
         if self._error is not None:
@@ -310,9 +319,19 @@ class OverlappedShardWriter:
             self.close()
         else:
             self._error = self._error or ShardWriteError("writing stopped after an error in the producer")
-            if self._thread.is_alive():
-                self._queue.put(None)
-                self._thread.join()
+            # Stop without touching the queue: a KeyboardInterrupt that landed inside a put() can leave the
+            # queue's lock held, and a put or get would then wait forever. Let the shard being written finish
+            # (atomic_write removes its temp file on failure); a thread stuck on that lock is abandoned (daemon).
+            self._stop.set()
+            idle_since = None
+            while self._thread.is_alive():
+                self._thread.join(0.05)
+                if self._writing:
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > 1.0:
+                    break
 
 
 # ---------------------------------------------------------------------------
@@ -335,10 +354,10 @@ class _Pending:
         self.n = batch_num_samples(batch)
         self.start = 0
         self.ragged = [k for k in batch if k in ragged_keys]
-        self.row_offsets = None
+        # Python ints: indexing a tensor for every key of every piece costs more than the slicing itself.
+        self.row_offsets: list[int] | None = None
         if self.ragged:
-            self.row_offsets = torch.zeros(self.n + 1, dtype=torch.int64)
-            torch.cumsum(batch[LENGTHS_KEY].to(torch.int64), 0, out=self.row_offsets[1:])
+            self.row_offsets = [0, *torch.cumsum(batch[LENGTHS_KEY].to(torch.int64).reshape(-1), 0).tolist()]
 
     def take(self, count: int) -> Batch:
         a, b = self.start, self.start + count
@@ -347,7 +366,7 @@ class _Pending:
         for key, value in self.batch.items():
             if key in self.ragged:
                 assert self.row_offsets is not None
-                piece[key] = value[int(self.row_offsets[a]) : int(self.row_offsets[b])]
+                piece[key] = value[self.row_offsets[a] : self.row_offsets[b]]
             else:
                 piece[key] = value[a:b]
         return piece

@@ -1,0 +1,153 @@
+"""The batch read path: SampleView as a dict, collation straight from the files, reused batch memory, prefetch."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from speccache.errors import CacheCorruptError
+from speccache.format import shard_path
+from speccache.read import CacheDataset, PackCollator, PadCollator, SampleView
+from speccache.sampler import LocalityShuffleSampler
+from speccache.synthetic import write_synthetic_cache
+
+RAGGED = ["input_ids", "loss_mask", "hidden"]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_batches_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
+        assert torch.equal(bits(a[key]), bits(b[key])), key
+
+
+@pytest.fixture(scope="module", params=["raw", "zbf16"])
+def cache(tmp_path_factory, request):
+    path = str(tmp_path_factory.mktemp(request.param))
+    # hidden 64 bf16 x up to 600 rows: long samples go through pread, short ones through the mapping
+    write_synthetic_cache(path, num_samples=40, shard_size=8, batch_size=4, hidden=64, min_len=0, max_len=600,
+                          encoding=request.param, overlap=False)
+    return path
+
+
+def copies(samples) -> list[dict[str, torch.Tensor]]:
+    return [{k: v.clone() for k, v in s.items()} for s in samples]
+
+
+@pytest.mark.parametrize("collate", [
+    PadCollator(RAGGED), PadCollator(RAGGED, pad_values={"input_ids": -100, "loss_mask": True, "hidden": 1.5}),
+    PackCollator(RAGGED), PadCollator(["hidden"]),
+])  # fmt: skip
+def test_collating_views_equals_collating_copies(cache, collate):
+    ds = CacheDataset(cache)
+    for indices in ([5, 0, 39, 17, 18, 3], [7], [12, 12, 13]):
+        try:
+            want = collate(copies(ds.__getitems__(indices)))
+        except RuntimeError:  # PadCollator(["hidden"]) stacks ragged keys: fails unless the lengths agree
+            with pytest.raises(RuntimeError):
+                collate(ds.__getitems__(indices))
+            continue
+        assert_batches_equal(collate(ds.__getitems__(indices)), want)
+
+
+def test_sample_view_is_a_dict_of_tensors(cache):
+    ds = CacheDataset(cache)
+    view = ds.__getitems__([9])[0]
+    plain = ds[9]
+    assert isinstance(view, SampleView) and list(view) == list(plain) == list(ds.keys) and len(view) == len(plain)
+    assert "hidden" in view and "nope" not in view
+    with pytest.raises(KeyError):
+        view["nope"]
+    ids = view.pop("input_ids")
+    assert torch.equal(ids, plain["input_ids"]) and "input_ids" not in view
+    view["extra"] = torch.ones(2)
+    assert list(view) == [k for k in plain if k != "input_ids"] + ["extra"]
+    restored = pickle.loads(pickle.dumps(view))
+    assert type(restored) is dict and list(restored) == list(view)
+    assert torch.equal(restored["hidden"].view(torch.int16), plain["hidden"].view(torch.int16))
+
+
+def test_modified_views_collate_like_dicts(cache):
+    ds = CacheDataset(cache)
+    collate = PadCollator(RAGGED + ["doubled"])
+    views = ds.__getitems__([1, 20, 33])
+    for v in views:
+        v["doubled"] = v["input_ids"].repeat(2)
+        v["hidden"] = v["hidden"] * 2
+        del v["sample_id"]
+    dicts = [dict(v.items()) for v in views]
+    assert_batches_equal(collate(views), collate(dicts))
+
+
+def test_samples_of_two_caches_collate_together(cache, tmp_path):
+    other = str(tmp_path / "other")
+    write_synthetic_cache(other, num_samples=8, shard_size=8, hidden=64, max_len=30, overlap=False)
+    a, b = CacheDataset(cache), CacheDataset(other)
+    mixed = a.__getitems__([3]) + b.__getitems__([2, 5])
+    assert_batches_equal(PackCollator(RAGGED)(mixed), PackCollator(RAGGED)(copies(mixed)))
+
+
+def test_held_batches_keep_their_data_and_dropped_ones_are_reused(cache):
+    ds = CacheDataset(cache)
+    collate = PackCollator(RAGGED)
+    collate._pool.MIN_BYTES = 0  # pool every tensor of these small batches
+    indices = [list(range(a, a + 8)) for a in range(0, 40, 8)]
+    held = [collate(ds.__getitems__(batch)) for batch in indices]  # all alive at once
+    for batch, got in zip(indices, held):
+        assert_batches_equal(got, collate(copies(ds.__getitems__(batch))))
+    view = held[0]["hidden"][1:3]  # a view keeps its batch's memory from being reused
+    del held
+    for batch in indices:
+        collate(ds.__getitems__(batch))
+    want = collate(copies(ds.__getitems__(indices[0])))["hidden"][1:3]
+    assert torch.equal(bits(view), bits(want))
+    reused = {collate(ds.__getitems__(indices[1]))["hidden"].data_ptr() for _ in range(4)}
+    assert len(reused) == 1  # nothing holds the batches: the same buffer serves every one
+
+
+def test_prefetch_changes_nothing_but_the_page_cache(cache):
+    ds = CacheDataset(cache)
+    collate = PadCollator(RAGGED)
+    announced: list[int] = []
+
+    def prefetch(indices: list[int]) -> None:
+        announced.extend(indices)
+        ds.prefetch(indices)
+
+    sampler = LocalityShuffleSampler(ds, ds.shard_size, seed=3, window=2, prefetch=prefetch, prefetch_ahead=6)
+    got = list(DataLoader(ds, batch_size=4, sampler=sampler, collate_fn=collate))
+    order = sampler.rank_order().tolist()
+    assert announced == order
+    want = [collate(copies(ds.__getitems__(order[a : a + 4]))) for a in range(0, len(order), 4)]
+    for g, w in zip(got, want):
+        assert_batches_equal(g, w)
+
+
+def test_prefetch_stays_ahead_of_iteration():
+    seen: list[int] = []
+    calls: list[tuple[int, list[int]]] = []
+    sampler = LocalityShuffleSampler(100, 10, seed=1, prefetch=lambda ix: calls.append((len(seen), ix)), prefetch_ahead=8)
+    for i in sampler:
+        assert i in {j for _, ix in calls for j in ix}
+        seen.append(i)
+    assert [j for _, ix in calls for j in ix] == seen
+    assert all(len(ix) <= 8 + 4 for _, ix in calls)
+
+
+def test_a_shard_truncated_after_opening_raises(tmp_path):
+    path = str(tmp_path / "c")
+    write_synthetic_cache(path, num_samples=8, shard_size=8, hidden=256, min_len=300, max_len=300, overlap=False)
+    # Only "hidden": it goes through pread. (Mapped bytes past the end of a truncated file raise SIGBUS.)
+    ds = CacheDataset(path, keys=["hidden"])
+    views = ds.__getitems__([6, 7])
+    os.truncate(shard_path(path, 0), os.path.getsize(shard_path(path, 0)) - 4096)
+    with pytest.raises(CacheCorruptError, match="truncated"):
+        PackCollator(["hidden"])(views)
