@@ -32,6 +32,7 @@ from speccache.eagle3 import (
 )
 from speccache.format import ShardFile, load_manifest_json, manifest_path
 from speccache.read import CacheDataset
+from speccache.sampler import LocalityShuffleSampler
 
 LIMIT = 8
 MAX_LENGTH = 128  # the first 8 demo rows are 81..240 tokens long: some get truncated, batches of 4 are right-padded
@@ -453,3 +454,17 @@ def test_default_aux_layers(runs):
     for bad in ([1, 1, 3], [1, 3, 8], [-1, 2, 3], [1, 2], [1, 2, 3, 4]):
         with pytest.raises(ValueError, match="--aux-layers"):
             check_aux_layers(bad, 8)
+
+
+def test_shuffled_loader_uses_the_locality_sampler_and_resumes_mid_epoch(runs):
+    out = runs("llama_probs_bs4")
+    loader = build_eagle3_dataloader(out, batch_size=2, shuffle=True, seed=3)
+    assert isinstance(loader.sampler, LocalityShuffleSampler)
+    loader.sampler.set_epoch(1)
+    epoch = [batch["input_ids"] for batch in loader]
+    consumed_batches = 2
+    resumed = build_eagle3_dataloader(out, batch_size=2, shuffle=True, seed=3)
+    resumed.sampler.load_state_dict(loader.sampler.state_dict(consumed=2 * consumed_batches))
+    rest = [batch["input_ids"] for batch in resumed]
+    assert len(rest) == len(epoch) - consumed_batches
+    assert all(torch.equal(a, b) for a, b in zip(rest, epoch[consumed_batches:]))

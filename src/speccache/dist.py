@@ -192,3 +192,12 @@ def shutdown(comm: Comm) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         comm.owns_group = False
+
+
+def group_position() -> tuple[int, int]:
+    """``(rank, world_size)`` in the initialised default process group, or ``(0, 1)`` without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1

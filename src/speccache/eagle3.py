@@ -36,10 +36,12 @@ from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
+from speccache.dist import group_position
 from speccache.format import LENGTHS_KEY, KeySpec, Schema, ShardFile
 from speccache.read import CacheDataset, PadCollator, Sample
+from speccache.sampler import LocalityShuffleSampler
 
 CACHE_NAME = "eagle3"
 SIDE_FILE = "eagle3_side.safetensors"
@@ -351,20 +353,24 @@ def build_eagle3_dataloader(
     Args:
         cache_dir: the cache directory.
         batch_size: samples per batch.
-        shuffle: shuffle each epoch (call ``loader.sampler.set_epoch(e)`` when it has one).
+        shuffle: shuffle with shard locality (:class:`speccache.sampler.LocalityShuffleSampler`);
+            call ``loader.sampler.set_epoch(e)`` each epoch, and ``state_dict``/``load_state_dict`` to resume mid-epoch.
         num_workers: DataLoader workers.
         distributed: give each rank its share (``torch.distributed`` must be initialised).
-        seed: shuffling seed.
+        seed: shuffling seed, the same on every rank.
         sampler: a sampler to use instead of the default.
         verify: check shard checksums when first opened.
         **loader_kwargs: passed to ``DataLoader``.
     """
     dataset = Eagle3CacheDataset(cache_dir, verify=verify)
-    if sampler is None:
-        if distributed:
-            sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed)
-        elif shuffle:
-            sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
+    if sampler is None and (shuffle or distributed):
+        rank, world_size = group_position() if distributed else (0, 1)
+        if shuffle:
+            sampler = LocalityShuffleSampler(
+                dataset, dataset.shard_size, seed=seed, rank=rank, world_size=world_size, prefetch=dataset.prefetch
+            )
+        else:
+            sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
     loader_kwargs.setdefault("pin_memory", torch.cuda.is_available())
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=dataset.collator(), **loader_kwargs
