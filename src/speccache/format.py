@@ -322,8 +322,19 @@ def read_manifest(
         FileNotFoundError: no manifest.
         CacheFormatError: invalid JSON or another version.
     """
-    path = manifest_path(cache_dir)
-    manifest = load_manifest_json(path)
+    manifest = load_manifest_json(manifest_path(cache_dir))
+    check_format_version(manifest, cache_dir, cache_name, format_version, producer_name)
+    return {**(defaults or {}), **manifest}
+
+
+def check_format_version(
+    manifest: Mapping[str, Any], cache_dir: str, cache_name: str, format_version: int, producer_name: str | None = None
+) -> None:
+    """Refuse a manifest of another ``format_version``, naming the producer to re-run.
+
+    Raises:
+        CacheFormatError: the versions differ.
+    """
     version = manifest.get("format_version")
     if version != format_version:
         producer = producer_name or default_producer_name(cache_name)
@@ -331,7 +342,6 @@ def read_manifest(
             f"{cache_name} cache at {cache_dir} has format_version={version}, expected {format_version}. "
             f"Regenerate the cache with the current {producer}."
         )
-    return {**(defaults or {}), **manifest}
 
 
 def check_cache_name(manifest: Mapping[str, Any], cache_dir: str, cache_name: str) -> None:

@@ -34,14 +34,16 @@ from speccache.format import (
     FORMAT_VERSION,
     SHARD_META_CHECKSUMS,
     Schema,
-    check_cache_name,
     ShardFile,
     bytes_view,
+    check_cache_name,
+    check_format_version,
     existing_shard_indices,
     file_checksum,
+    load_manifest_json,
     manifest_counts,
+    manifest_path,
     num_shards,
-    read_manifest,
     schema_from_json,
     shard_path,
     shard_table,
@@ -282,13 +284,17 @@ class CacheDataset(Dataset):
         if max_open_shards < 1:
             raise ValueError(f"max_open_shards must be >= 1, got {max_open_shards}")
         self.cache_dir = cache_dir
-        probe_name = cache_name if cache_name is not None else _manifest_cache_name(cache_dir)
-        self.cache_name = probe_name
-        self.manifest = read_manifest(cache_dir, cache_name=probe_name, format_version=format_version)
+        manifest = load_manifest_json(manifest_path(cache_dir))
+        recorded = manifest.get("cache_name")
+        if cache_name is None:
+            cache_name = recorded if isinstance(recorded, str) else os.path.basename(os.path.normpath(cache_dir))
+        self.cache_name = cache_name
+        check_format_version(manifest, cache_dir, cache_name, format_version)
+        self.manifest = manifest
         self.shard_size, self.num_samples = manifest_counts(self.manifest, f"{cache_dir}/manifest.json")
         self.native = "keys" in self.manifest
         if self.native:
-            check_cache_name(self.manifest, cache_dir, probe_name)
+            check_cache_name(self.manifest, cache_dir, cache_name)
         self.verify = verify
         self.max_open_shards = max_open_shards
         if self.native:
@@ -441,13 +447,6 @@ class CacheDataset(Dataset):
             o = self._shard(index).row_offsets
             lengths.extend(o[i + 1] - o[i] for i in range(len(o) - 1))
         return lengths
-
-
-def _manifest_cache_name(cache_dir: str) -> str:
-    from speccache.format import load_manifest_json, manifest_path
-
-    name = load_manifest_json(manifest_path(cache_dir)).get("cache_name")
-    return name if isinstance(name, str) else os.path.basename(os.path.normpath(cache_dir))
 
 
 def _complete_prefix(cache_dir: str, num_samples: int, shard_size: int) -> int:
