@@ -645,9 +645,15 @@ def _pad_rows(out: torch.Tensor, lengths: list[int], pad: float | int | bool) ->
 
 
 class _Collator:
-    """What both collators share: the pool of batch memory, which stays in the process that made it."""
+    """What both collators share: fixed keys stacked, the pool of batch memory, and the batch loop.
 
-    def __init__(self, pin_memory: bool | None) -> None:
+    Subclasses say how a ragged key becomes one tensor (from the shard files or
+    from sample tensors) and what describes the lengths. The pool stays in the
+    process that made it.
+    """
+
+    def __init__(self, ragged_keys: Collection[str], pin_memory: bool | None = None) -> None:
+        self.ragged_keys = frozenset(ragged_keys)
         self.pin_memory = pin_memory
         self._pool = _BufferPool()
 
@@ -659,6 +665,41 @@ class _Collator:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._pool = _BufferPool()
+
+    def __call__(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
+        pin = _pin() if self.pin_memory is None else self.pin_memory
+        infos, untouched = _view_layouts(samples)
+        batch: dict[str, torch.Tensor] = {}
+        lengths: list[int] | None = None
+        counts: list[int] | None = None  # rows per sample, shared by every ragged key read from the shards
+        for key in samples[0]:
+            ragged = key in self.ragged_keys
+            info = _readable(samples, infos, untouched, key, ragged)
+            if not ragged:
+                if info is None:
+                    batch[key] = _stack([s[key] for s in samples], pin, self._pool)
+                else:
+                    batch[key] = out = _empty((len(samples), *info.shape), info.dtype, pin, self._pool)
+                    _read_into(out, samples, key, info, range(0, len(samples) * info.row_bytes, info.row_bytes))
+            elif info is not None:
+                lengths = counts = counts or _row_counts(samples)
+                batch[key] = self._ragged_from_files(samples, key, info, counts, pin)
+            else:
+                tensors = [s[key] for s in samples]
+                lengths = [t.shape[0] for t in tensors]
+                batch[key] = self._ragged_from_tensors(key, tensors, lengths, pin)
+        if lengths is not None:
+            batch.update(self._length_tensors(lengths))
+        return batch
+
+    def _ragged_from_files(self, samples: list[Sample], key: str, info: Any, lengths: list[int], pin: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _ragged_from_tensors(self, key: str, tensors: list[torch.Tensor], lengths: list[int], pin: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _length_tensors(self, lengths: list[int]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
 
 
 class PadCollator(_Collator):
@@ -679,49 +720,29 @@ class PadCollator(_Collator):
     def __init__(
         self, ragged_keys: Collection[str], pad_values: Mapping[str, float | int | bool] | None = None, pin_memory: bool | None = None
     ) -> None:
-        super().__init__(pin_memory)
-        self.ragged_keys = frozenset(ragged_keys)
+        super().__init__(ragged_keys, pin_memory)
         self.pad_values = dict(pad_values or {})
 
-    def __call__(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
-        pin = _pin() if self.pin_memory is None else self.pin_memory
-        infos, untouched = _view_layouts(samples)
-        batch: dict[str, torch.Tensor] = {}
-        lengths: list[int] | None = None
-        counts: list[int] | None = None  # rows per sample, shared by every ragged key read from the shards
-        for key in samples[0]:
-            ragged = key in self.ragged_keys
-            info = _readable(samples, infos, untouched, key, ragged)
-            if info is not None and not ragged:
-                batch[key] = out = _empty((len(samples), *info.shape), info.dtype, pin, self._pool)
-                _read_into(out, samples, key, info, range(0, len(samples) * info.row_bytes, info.row_bytes))
-                continue
-            if info is not None:
-                lengths = counts = counts or _row_counts(samples)
-                longest = max(lengths)
-                batch[key] = out = _empty((len(samples), longest, *info.shape), info.dtype, pin, self._pool)
-                stride = longest * info.row_bytes
-                _read_into(out, samples, key, info, range(0, len(samples) * stride, stride))
-                _pad_rows(out, lengths, self.pad_values.get(key, 0))
-                continue
-            tensors = [s[key] for s in samples]
-            if not ragged:
-                batch[key] = _stack(tensors, pin, self._pool)
-                continue
-            lengths = [t.shape[0] for t in tensors]
-            longest = max(lengths)
-            first = tensors[0]
-            out = _empty((len(tensors), longest, *first.shape[1:]), first.dtype, pin, self._pool)
-            pad = self.pad_values.get(key, 0)
-            for row, t in zip(out, tensors):
-                row[: t.shape[0]].copy_(t)
-                row[t.shape[0] :].fill_(pad)
-            batch[key] = out
-        if lengths is not None:
-            lens = torch.tensor(lengths, dtype=torch.int64)
-            batch["lengths"] = lens
-            batch["attention_mask"] = (torch.arange(max(lengths)).unsqueeze(0) < lens.unsqueeze(1)).to(torch.int64)
-        return batch
+    def _ragged_from_files(self, samples: list[Sample], key: str, info: Any, lengths: list[int], pin: bool) -> torch.Tensor:
+        longest = max(lengths)
+        out = _empty((len(samples), longest, *info.shape), info.dtype, pin, self._pool)
+        stride = longest * info.row_bytes
+        _read_into(out, samples, key, info, range(0, len(samples) * stride, stride))
+        _pad_rows(out, lengths, self.pad_values.get(key, 0))
+        return out
+
+    def _ragged_from_tensors(self, key: str, tensors: list[torch.Tensor], lengths: list[int], pin: bool) -> torch.Tensor:
+        first = tensors[0]
+        out = _empty((len(tensors), max(lengths), *first.shape[1:]), first.dtype, pin, self._pool)
+        pad = self.pad_values.get(key, 0)
+        for row, t in zip(out, tensors):
+            row[: t.shape[0]].copy_(t)
+            row[t.shape[0] :].fill_(pad)
+        return out
+
+    def _length_tensors(self, lengths: list[int]) -> dict[str, torch.Tensor]:
+        lens = torch.tensor(lengths, dtype=torch.int64)
+        return {"lengths": lens, "attention_mask": (torch.arange(max(lengths)).unsqueeze(0) < lens.unsqueeze(1)).to(torch.int64)}
 
 
 class PackCollator(_Collator):
@@ -736,47 +757,19 @@ class PackCollator(_Collator):
         pin_memory: as for :class:`PadCollator`.
     """
 
-    def __init__(self, ragged_keys: Collection[str], pin_memory: bool | None = None) -> None:
-        super().__init__(pin_memory)
-        self.ragged_keys = frozenset(ragged_keys)
+    def _ragged_from_files(self, samples: list[Sample], key: str, info: Any, lengths: list[int], pin: bool) -> torch.Tensor:
+        out = _empty((sum(lengths), *info.shape), info.dtype, pin, self._pool)
+        starts = itertools.accumulate(lengths[:-1], initial=0)
+        _read_into(out, samples, key, info, [start * info.row_bytes for start in starts])
+        return out
 
-    def __call__(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
-        pin = _pin() if self.pin_memory is None else self.pin_memory
-        infos, untouched = _view_layouts(samples)
-        batch: dict[str, torch.Tensor] = {}
-        lengths: list[int] | None = None
-        counts: list[int] | None = None  # rows per sample, shared by every ragged key read from the shards
-        for key in samples[0]:
-            ragged = key in self.ragged_keys
-            info = _readable(samples, infos, untouched, key, ragged)
-            if info is not None and not ragged:
-                batch[key] = out = _empty((len(samples), *info.shape), info.dtype, pin, self._pool)
-                _read_into(out, samples, key, info, range(0, len(samples) * info.row_bytes, info.row_bytes))
-                continue
-            if info is not None:
-                lengths = counts = counts or _row_counts(samples)
-                batch[key] = out = _empty((sum(lengths), *info.shape), info.dtype, pin, self._pool)
-                starts = itertools.accumulate(lengths[:-1], initial=0)
-                _read_into(out, samples, key, info, [start * info.row_bytes for start in starts])
-                continue
-            tensors = [s[key] for s in samples]
-            if not ragged:
-                batch[key] = _stack(tensors, pin, self._pool)
-                continue
-            lengths = [t.shape[0] for t in tensors]
-            first = tensors[0]
-            out = _empty((sum(lengths), *first.shape[1:]), first.dtype, pin, self._pool)
-            batch[key] = torch.cat(tensors, out=out)
-        if lengths is not None:
-            lens = torch.tensor(lengths, dtype=torch.int64)
-            batch["lengths"] = lens
-            cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-            torch.cumsum(lens, 0, out=cu[1:])
-            batch["cu_seqlens"] = cu
-        return batch
+    def _ragged_from_tensors(self, key: str, tensors: list[torch.Tensor], lengths: list[int], pin: bool) -> torch.Tensor:
+        first = tensors[0]
+        out = _empty((sum(lengths), *first.shape[1:]), first.dtype, pin, self._pool)
+        return torch.cat(tensors, out=out)
 
-
-def iter_samples(dataset: CacheDataset, batch: int = 64) -> Iterable[Sample]:
-    """Every sample in order, read a batch at a time (views; copy to keep)."""
-    for start in range(0, len(dataset), batch):
-        yield from dataset.__getitems__(range(start, min(start + batch, len(dataset))))
+    def _length_tensors(self, lengths: list[int]) -> dict[str, torch.Tensor]:
+        lens = torch.tensor(lengths, dtype=torch.int64)
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        torch.cumsum(lens, 0, out=cu[1:])
+        return {"lengths": lens, "cu_seqlens": cu}
