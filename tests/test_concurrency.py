@@ -15,12 +15,11 @@ import threading
 import time
 
 import pytest
-import torch
 
+from cachecmp import all_samples, same_samples
 import crashlib
 from speccache.errors import CacheIncompleteError, CacheLockedError
 from speccache.lock import LOCK_NAME, CacheLock
-from speccache.read import CacheDataset
 from speccache.synthetic import write_synthetic_cache
 
 ARGS = dict(num_samples=48, shard_size=4, hidden=32, max_len=32)
@@ -50,20 +49,13 @@ def _fork_holder(cache_dir: str) -> tuple[int, int]:
     return pid, go_w
 
 
-def _samples(path: str, **kwargs) -> list[dict[str, torch.Tensor]]:
-    ds = CacheDataset(path, **kwargs)
-    return [{k: v.clone() for k, v in s.items()} for s in ds.__getitems__(range(len(ds)))]
-
-
-def _same(a, b) -> bool:
-    return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("ref") / "cache")
     write_synthetic_cache(path, overlap=False, **ARGS)
-    return path, _samples(path)
+    return path, all_samples(path)
 
 
 def test_second_writer_is_refused_naming_the_holder(tmp_path, reference):
@@ -80,7 +72,7 @@ def test_second_writer_is_refused_naming_the_holder(tmp_path, reference):
         os.close(go)
         assert os.waitpid(pid, 0)[1] == 0
     write_synthetic_cache(out, **ARGS)  # the holder is done: the lock is free
-    assert _same(_samples(out), reference[1])
+    assert same_samples(all_samples(out), reference[1])
 
 
 def test_lock_of_a_killed_writer_is_recovered(tmp_path, reference):
@@ -91,7 +83,7 @@ def test_lock_of_a_killed_writer_is_recovered(tmp_path, reference):
     os.close(go)
     assert json.load(open(os.path.join(out, LOCK_NAME)))["pid"] == pid
     write_synthetic_cache(out, resume=True, **ARGS)
-    assert _same(_samples(out), reference[1])
+    assert same_samples(all_samples(out), reference[1])
     assert LOCK_NAME not in os.listdir(out)
 
 
@@ -181,7 +173,7 @@ def test_writers_recovering_one_stale_lock_at_once_never_both_hold_it(tmp_path):
 def test_two_readers_and_a_writer_on_different_directories_do_not_interfere(tmp_path, reference):
     other = str(tmp_path / "other")
     write_synthetic_cache(other, overlap=False, **{**ARGS, "hidden": 16})
-    other_samples = _samples(other)
+    other_samples = all_samples(other)
     errors: list[BaseException] = []
     done = threading.Event()
     reads = [0, 0]
@@ -189,7 +181,7 @@ def test_two_readers_and_a_writer_on_different_directories_do_not_interfere(tmp_
     def reader(slot: int, path: str, expected) -> None:
         try:
             while not done.is_set() or reads[slot] < 2:
-                assert _same(_samples(path, verify=True), expected)
+                assert same_samples(all_samples(path, verify=True), expected)
                 reads[slot] += 1
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
@@ -207,7 +199,7 @@ def test_two_readers_and_a_writer_on_different_directories_do_not_interfere(tmp_
         for t in threads:
             t.join()
     assert not errors, errors
-    assert _same(_samples(new, verify=True), reference[1])
+    assert same_samples(all_samples(new, verify=True), reference[1])
     assert min(reads) >= 2
 
 
@@ -223,17 +215,17 @@ def test_a_reader_beside_a_live_writer_sees_nothing_or_a_correct_prefix(tmp_path
         try:
             while writing.is_set() or not seen["complete"]:
                 try:
-                    got = _samples(out, verify=True)
+                    got = all_samples(out, verify=True)
                 except FileNotFoundError:
                     seen["missing"] += 1
                     continue
                 except CacheIncompleteError as exc:
                     assert "--resume" in str(exc)
                     seen["incomplete"] += 1
-                    prefix = _samples(out, allow_incomplete=True, verify=True)
-                    assert _same(prefix, reference[1][: len(prefix)])
+                    prefix = all_samples(out, allow_incomplete=True, verify=True)
+                    assert same_samples(prefix, reference[1][: len(prefix)])
                     continue
-                assert _same(got, reference[1])
+                assert same_samples(got, reference[1])
                 seen["complete"] += 1
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
@@ -273,7 +265,7 @@ def test_writer_killed_while_taking_the_lock_leaves_no_lock_nobody_can_recover(t
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL
     write_synthetic_cache(out, resume=True, **ARGS)
-    assert _same(_samples(out), reference[1])
+    assert same_samples(all_samples(out), reference[1])
     assert sorted(os.listdir(out)) == sorted(os.listdir(reference[0])), "a temporary file of the killed writer was left"
 
 

@@ -23,6 +23,7 @@ import shutil
 import pytest
 import torch
 
+from cachecmp import same_samples
 from speccache import cli
 from speccache.errors import CacheCorruptError, CacheIncompleteError, SpeccacheError
 from speccache.format import MANIFEST_NAME, ShardFile, shard_path
@@ -54,9 +55,6 @@ def cache(pristine, tmp_path):
     return path
 
 
-def _same(got, want) -> bool:
-    return len(got) == len(want) and all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(got, want))
-
 
 def assert_verify_reports(path: str, capsys, file: str, *fragments: str) -> None:
     """``speccache verify`` exits 1 with a PROBLEM line for ``file`` whose reason holds every fragment."""
@@ -81,7 +79,7 @@ def assert_reader_safe(path: str, reference, name_in_error: str | None, structur
         if name_in_error is not None:
             assert name_in_error in str(exc), f"error does not name {name_in_error}: {exc}"
     else:
-        assert _same(got, reference), "the verifying reader returned wrong data"
+        assert same_samples(got, reference), "the verifying reader returned wrong data"
         assert name_in_error is None, "the verifying reader accepted a damaged cache"
     try:
         got = _read_all(path, verify=False)
@@ -195,7 +193,7 @@ def test_temp_files_and_other_names_are_never_read_as_shards(cache, pristine, ca
     for junk in ("shard-000009.safetensors.tmp-host-1-abcd", "shard-9.safetensors", "shard-000009.safetensors.bak", ".tmp"):
         _rewrite(os.path.join(cache, junk), data)
     assert verify_cache(cache).ok
-    assert _same(_read_all(cache, verify=True), pristine[1])
+    assert same_samples(_read_all(cache, verify=True), pristine[1])
 
 
 # ---------------------------------------------------------------------------
@@ -266,7 +264,7 @@ def test_edited_manifest(cache, pristine, capsys, edit):
     if reader_fragment is None:
         # the edit does not touch what the reader uses: it must still return exactly the data
         for verify in (True, False):
-            assert _same(_read_all(cache, verify=verify), pristine[1])
+            assert same_samples(_read_all(cache, verify=verify), pristine[1])
         return
     for verify in (True, False):
         with pytest.raises(SpeccacheError) as info:

@@ -48,6 +48,7 @@ import torch
 import speccache.cache_writer as cache_writer_module
 import speccache.synthetic as synthetic
 import speccache.write as write_module
+from cachecmp import file_tree
 from speccache.cache_writer import CacheWriter, _rebuild_error
 from speccache.cli import main as cli_main
 from speccache.dist import TorchComm, collective_failure_message, init_from_env, shutdown
@@ -87,12 +88,9 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _tree(path: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
-
 
 def _assert_same_cache(out: Path, ref: Path) -> None:
-    got, want = _tree(out), _tree(ref)
+    got, want = file_tree(out), file_tree(ref)
     assert sorted(got) == sorted(want), f"{out}: files {sorted(got)} != reference {sorted(want)}"
     for name in want:
         assert got[name] == want[name], f"{out}/{name} differs from the single-process cache"
@@ -269,7 +267,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         _check_run(comm, hooks, f"world {world} resume", _expected_steps(cfg, world, RESUME_MISSING | RESUME_CORRUPT))
         # errors in begin: the same exception on every rank, nothing changed, no lock left
         done = base / "fresh-uneven"
-        before = _tree(done)
+        before = file_tree(done)
         comm.barrier()  # rank 0 takes the lock (a file) as soon as it starts the next run
         _same_error_everywhere(
             comm, lambda: synthetic.write_synthetic_cache(str(done), **cfg, **{**COMMON, "seed": 4}, resume=True, comm=comm),
@@ -277,7 +275,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         )
         _same_error_everywhere(comm, lambda: synthetic.write_synthetic_cache(str(done), **cfg, **COMMON, comm=comm), CacheExistsError)
         comm.barrier()
-        assert _tree(done) == before
+        assert file_tree(done) == before
 
         def deny() -> None:
             raise PermissionError(f"[Errno 13] Permission denied: {str(base / 'side.bin')!r}")

@@ -8,7 +8,6 @@ the target on each sample alone (``output_hidden_states=True``).
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections import Counter
 

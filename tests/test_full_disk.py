@@ -21,6 +21,7 @@ import os
 import pytest
 
 import speccache.format as fmt
+from cachecmp import file_tree
 from speccache.errors import CacheExistsError, ShardWriteError
 from speccache.lock import LOCK_NAME
 from speccache.synthetic import write_synthetic_cache
@@ -29,19 +30,12 @@ from speccache.verify import verify_cache
 ARGS = dict(num_samples=40, shard_size=4, hidden=32, max_len=32)
 
 
-def _tree(path: str) -> dict[str, bytes]:
-    out = {}
-    for name in sorted(os.listdir(path)):
-        with open(os.path.join(path, name), "rb") as f:
-            out[name] = f.read()
-    return out
-
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("ref") / "cache")
     write_synthetic_cache(path, overlap=False, **ARGS)
-    return _tree(path)
+    return file_tree(path)
 
 
 class _Disk:
@@ -86,7 +80,7 @@ class _Disk:
 
 
 def _check_clean(path: str, reference: dict[str, bytes]) -> None:
-    for name, data in _tree(path).items():
+    for name, data in file_tree(path).items():
         assert fmt.TMP_MARK not in name, f"temporary file {name} left behind"
         assert name != LOCK_NAME, "the lock was not released"
         if fmt.SHARD_RE.match(name):
@@ -127,7 +121,7 @@ def test_disk_full_during_a_shard_write(tmp_path, monkeypatch, reference, overla
     with pytest.raises(CacheExistsError):
         write_synthetic_cache(out, overlap=overlap, **ARGS)
     write_synthetic_cache(out, overlap=overlap, resume=True, **ARGS)
-    assert _tree(out) == reference
+    assert file_tree(out) == reference
     assert verify_cache(out).ok
 
 
@@ -146,7 +140,7 @@ def test_disk_full_during_a_manifest_write(tmp_path, monkeypatch, reference, whe
     assert not os.path.exists(os.path.join(out, "manifest.json")) or when == "seal"
     monkeypatch.undo()
     write_synthetic_cache(out, overlap=False, resume=True, **ARGS)
-    assert _tree(out) == reference
+    assert file_tree(out) == reference
 
 
 def test_repeated_disk_full_then_resume(tmp_path, monkeypatch, reference):
@@ -170,7 +164,7 @@ def test_repeated_disk_full_then_resume(tmp_path, monkeypatch, reference):
     else:
         pytest.fail("the resumes made no progress")
     assert attempt > 1
-    assert _tree(out) == reference
+    assert file_tree(out) == reference
 
 
 def test_failed_write_leaves_an_existing_shard_untouched(tmp_path, monkeypatch, reference):
@@ -189,4 +183,4 @@ def test_failed_write_leaves_an_existing_shard_untouched(tmp_path, monkeypatch, 
     assert not any(fmt.TMP_MARK in n for n in os.listdir(out))
     monkeypatch.undo()
     write_synthetic_cache(out, overlap=False, resume=True, **ARGS)
-    assert _tree(out) == reference
+    assert file_tree(out) == reference

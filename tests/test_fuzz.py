@@ -17,10 +17,10 @@ import shutil
 import struct
 
 import pytest
-import torch
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
+from cachecmp import all_samples, file_tree, same_samples
 import crashlib
 from speccache import cli
 from speccache.errors import DataError, SpeccacheError
@@ -40,29 +40,15 @@ json_values = st.recursive(
 )
 
 
-def _tree(path: str) -> dict[str, bytes]:
-    out = {}
-    for name in sorted(os.listdir(path)):
-        with open(os.path.join(path, name), "rb") as f:
-            out[name] = f.read()
-    return out
 
-
-def _samples(path: str, **kwargs):
-    ds = CacheDataset(path, **kwargs)
-    return [{k: v.clone() for k, v in s.items()} for s in ds.__getitems__(range(len(ds)))]
-
-
-def _same(a, b) -> bool:
-    return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
 
 
 class Pristine:
     def __init__(self, base: str) -> None:
         self.path = os.path.join(base, "pristine")
         write_synthetic_cache(self.path, overlap=False, **ARGS)
-        self.tree = _tree(self.path)
-        self.samples = _samples(self.path)
+        self.tree = file_tree(self.path)
+        self.samples = all_samples(self.path)
         self.manifest = json.loads(self.tree[MANIFEST_NAME])
         self.work = os.path.join(base, "work")
 
@@ -89,12 +75,12 @@ def _documented(fn) -> object:
 
 def exercise(path: str, reference) -> None:
     """Every read-only entry point on ``path``: documented errors only, no file changed, never wrong verified data."""
-    before = _tree(path)
-    got = _documented(lambda: _samples(path, verify=True))
+    before = file_tree(path)
+    got = _documented(lambda: all_samples(path, verify=True))
     if not isinstance(got, Exception):
-        assert _same(got, reference), "verify=True returned data that differs from what was written"
-    _documented(lambda: _samples(path))
-    _documented(lambda: _samples(path, allow_incomplete=True))
+        assert same_samples(got, reference), "verify=True returned data that differs from what was written"
+    _documented(lambda: all_samples(path))
+    _documented(lambda: all_samples(path, allow_incomplete=True))
     _documented(lambda: CacheDataset(path).sample_lengths())
     _documented(lambda: verify_cache(path))
     _documented(lambda: inspect_cache(path))
@@ -102,7 +88,7 @@ def exercise(path: str, reference) -> None:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
             rc = cli.main([command, path])
         assert rc in (0, 1), f"speccache {command} exited {rc}: {err.getvalue()}"
-    assert _tree(path) == before, "reading or verifying changed a file"
+    assert file_tree(path) == before, "reading or verifying changed a file"
 
 
 def _write_manifest_text(path: str, text: str | bytes) -> None:
@@ -190,14 +176,14 @@ def test_resuming_a_fuzzed_manifest_refuses_without_changes_or_completes_correct
                 target[path[-1]] = value
     work = pristine.fresh()
     _write_manifest_text(work, json.dumps(manifest))
-    before = _tree(work)
+    before = file_tree(work)
     try:
         write_synthetic_cache(work, overlap=False, resume=True, **ARGS)
     except SpeccacheError as exc:
         assert str(exc)
-        assert _tree(work) == before, "a refused resume changed the cache"
+        assert file_tree(work) == before, "a refused resume changed the cache"
     else:
-        assert _tree(work) == pristine.tree
+        assert file_tree(work) == pristine.tree
 
 
 # ---------------------------------------------------------------------------

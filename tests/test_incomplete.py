@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 import speccache.cache_writer as cache_writer
 import speccache.synthetic as synthetic
+from cachecmp import all_samples, same_samples
 from speccache import cli
 from speccache.errors import CacheIncompleteError
 from speccache.format import shard_path
@@ -19,20 +19,13 @@ from speccache.verify import inspect_cache, verify_cache
 ARGS = dict(num_samples=30, shard_size=4, batch_size=4, hidden=16, max_len=24)  # 8 shards, the last one of 2
 
 
-def _samples(path: str, **kwargs):
-    ds = CacheDataset(path, **kwargs)
-    return [{k: v.clone() for k, v in s.items()} for s in ds.__getitems__(range(len(ds)))]
-
-
-def _same(a, b) -> bool:
-    return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("ref") / "cache")
     write_synthetic_cache(path, overlap=False, **ARGS)
-    return _samples(path)
+    return all_samples(path)
 
 
 def _interrupted(path: str, monkeypatch, batches: int) -> None:
@@ -79,14 +72,14 @@ def test_an_interrupted_cache_is_refused_with_the_resume_command(tmp_path, monke
     message = str(info.value)
     assert out in message and "still being written" in message and "interrupted" in message and "--resume" in message
     assert "allow_incomplete=True" in message
-    prefix = _samples(out, allow_incomplete=True, verify=True)
+    prefix = all_samples(out, allow_incomplete=True, verify=True)
     assert len(prefix) == min(shards * 4, ARGS["num_samples"])
-    assert _same(prefix, reference[: len(prefix)])
+    assert same_samples(prefix, reference[: len(prefix)])
     assert inspect_cache(out)["complete"] is False
     report = verify_cache(out)
     assert not report.ok and any("not complete" in p.reason and "--resume" in p.reason for p in report.problems)
     write_synthetic_cache(out, overlap=False, resume=True, **ARGS)
-    assert _same(_samples(out, verify=True), reference)
+    assert same_samples(all_samples(out, verify=True), reference)
 
 
 def test_allow_incomplete_reads_only_the_contiguous_prefix_of_whole_shards(tmp_path, monkeypatch, reference):
@@ -95,8 +88,8 @@ def test_allow_incomplete_reads_only_the_contiguous_prefix_of_whole_shards(tmp_p
     os.unlink(shard_path(out, 2))  # e.g. a damaged shard removed by hand: shards 3.. are not a prefix any more
     with pytest.raises(CacheIncompleteError):
         CacheDataset(out)
-    got = _samples(out, allow_incomplete=True)
-    assert len(got) == 8 and _same(got, reference[:8])
+    got = all_samples(out, allow_incomplete=True)
+    assert len(got) == 8 and same_samples(got, reference[:8])
     with pytest.raises(IndexError):
         CacheDataset(out, allow_incomplete=True)[8]
 

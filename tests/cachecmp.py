@@ -1,0 +1,29 @@
+"""Comparing caches in tests: their files byte for byte, and their samples tensor for tensor."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from speccache.read import CacheDataset
+
+
+def file_tree(path: str | os.PathLike[str]) -> dict[str, bytes]:
+    """Every file of a cache directory by name, with its bytes."""
+    out = {}
+    for name in sorted(os.listdir(path)):
+        with open(os.path.join(path, name), "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+def all_samples(path: str, **kwargs) -> list[dict[str, torch.Tensor]]:
+    """Every sample of the cache at ``path`` (owned copies), read through :class:`CacheDataset`."""
+    ds = CacheDataset(path, **kwargs)
+    return [{k: v.clone() for k, v in s.items()} for s in ds.__getitems__(range(len(ds)))]
+
+
+def same_samples(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> bool:
+    """Whether two sample lists hold the same keys and tensors, in order."""
+    return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
