@@ -565,7 +565,10 @@ class ShardFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        with open(path, "rb") as f:
+        # The file stays open (closed with this object) so that readers pread through the same file the
+        # mapping shows, instead of opening it a second time and checking it is still the same file.
+        f = self.handle = open(path, "rb")
+        try:
             size = os.fstat(f.fileno()).st_size
             if size < 8:
                 raise CacheCorruptError(f"{path}: file is {size} bytes, too short for a safetensors header (truncated?)")
@@ -587,6 +590,9 @@ class ShardFile:
             self.data_start = 8 + header_len
             self.entries = _check_entries(path, header, size - self.data_start)
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size > self.data_start else None
+        except BaseException:
+            f.close()
+            raise
         self.size = size
         self._buf = torch.frombuffer(self._mm, dtype=torch.uint8) if self._mm is not None else torch.empty(0, dtype=torch.uint8)
         self._views: dict[str, torch.Tensor] = {}

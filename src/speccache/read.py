@@ -97,9 +97,9 @@ def _key_info(dtype: torch.dtype, shape: tuple[int, ...], ragged: bool) -> _KeyI
 class _OpenShard:
     """A shard opened by a :class:`CacheDataset`: its decoder plus what reading raw rows from the file needs."""
 
-    __slots__ = ("shard", "path", "keys", "infos", "bases", "mapped", "long", "row_offsets", "_file", "fd")
+    __slots__ = ("shard", "path", "keys", "infos", "bases", "mapped", "long", "row_offsets", "fd")
 
-    def __init__(self, shard: Any, file: Any, keys: tuple[str, ...], infos: dict[str, _KeyInfo], raw: Sequence[str]) -> None:
+    def __init__(self, shard: Any, keys: tuple[str, ...], infos: dict[str, _KeyInfo], raw: Sequence[str]) -> None:
         self.shard = shard
         self.path: str = shard.path
         self.keys = keys
@@ -118,8 +118,7 @@ class _OpenShard:
             if (most if infos[k].ragged else 1) * infos[k].row_bytes >= _PREAD_BYTES
         }
         """The file offsets of the raw keys with samples long enough for ``pread``, which :meth:`CacheDataset.prefetch` announces."""
-        self._file = file
-        self.fd: int = file.fileno()
+        self.fd: int = shard.file.handle.fileno()  # the file the mapping shows, kept open by the shard
 
     def span(self, key: str, local: int) -> tuple[int, int]:
         """Byte range of sample ``local``'s rows of raw key ``key``, from the key's first row."""
@@ -358,26 +357,18 @@ class CacheDataset(Dataset):
                 f"{path}: file checksum differs from the manifest's shard table (damaged shard). "
                 "Delete it and re-run the producer with --resume."
             )
-        file = open(path, "rb", buffering=0)
-        try:
-            if self.native:
-                shard = NativeShard(path, self._shard_schema, index, expected, verify=self.verify and not self._checksums.get(index))
-            else:
-                shard = _SeedShard(path, self.keys, expected, self.verify)
-            opened = self._wrap(shard, file)
-        except BaseException:
-            file.close()
-            raise
+        if self.native:
+            shard = NativeShard(path, self._shard_schema, index, expected, verify=self.verify and not self._checksums.get(index))
+        else:
+            shard = _SeedShard(path, self.keys, expected, self.verify)
+        opened = self._wrap(shard)
         self._open[index] = opened
         if len(self._open) > self.max_open_shards:
             self._open.popitem(last=False)
         return opened
 
-    def _wrap(self, shard: Any, file: Any) -> _OpenShard:
+    def _wrap(self, shard: Any) -> _OpenShard:
         entries = shard.file.entries
-        st = os.fstat(file.fileno())
-        if st.st_ino != os.stat(shard.path).st_ino or st.st_size != shard.file.size:
-            raise CacheCorruptError(f"{shard.path}: the file was replaced while it was being opened; open the cache again")
         if self.native:
             infos = {k: _key_info(s.dtype, s.shape, s.ragged) for k, s in self.schema.items()}
             raw = [k for k in self.keys if self.schema[k].encoding == "raw"]
@@ -386,7 +377,7 @@ class CacheDataset(Dataset):
             raw = list(self.keys)
         # Shards with the same layout share one dict, so a collator checks a batch with one identity test per sample.
         infos = self._infos.setdefault(tuple(infos.items()), infos)
-        return _OpenShard(shard, file, self.keys, infos, raw)
+        return _OpenShard(shard, self.keys, infos, raw)
 
     def __getitem__(self, index: int) -> Sample:
         """One sample, copied out of the shard (through a subclass's ``__getitems__``, if it has one)."""
