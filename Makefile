@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 DEMO_OUT ?= demo-out
 
-.PHONY: install test demo bench footprint clean soak
+.PHONY: install test lint demo bench footprint clean soak
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# ruff (configured in pyproject.toml): formatting and lint; CI runs it before the tests.
+lint: install
+	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks
 
 demo: install
 	$(PY) -m speccache.demo.run --out $(DEMO_OUT)

@@ -25,22 +25,23 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import zstandard
 
 from speccache.demo import demo_data_path, ensure_demo_target
-from speccache.dist import LocalComm
-from speccache.eagle3 import Supervision, eagle3_schema
-from speccache.encoding import get_encoding
-from speccache.encoding.fp8 import fp8_error
-from speccache.encoding.zbf16 import zbf16_plane_stats
-from speccache.estimate import ZBF16_HI_FRACTION, estimate_cache, estimate_shards, side_file_bytes
-from speccache.precompute import PrecomputeConfig, make_plan, padded_probs_bytes, run_precompute
+from speccache.format.encoding import get_encoding
+from speccache.format.encoding.fp8 import fp8_error
+from speccache.format.encoding.zbf16 import zbf16_plane_stats
+from speccache.methods.eagle3 import Supervision, eagle3_schema
+from speccache.precompute.estimate import ZBF16_HI_FRACTION, estimate_cache, estimate_shards, side_file_bytes
+from speccache.precompute.run import PrecomputeConfig, make_plan, padded_probs_bytes, run_precompute
 from speccache.read import CacheDataset
-from speccache.verify import inspect_cache
+from speccache.read.verify import inspect_cache
+from speccache.write.dist import LocalComm
 
 FLOAT_KEYS = ("aux_hidden_states", "last_hidden_state")
 LAYOUTS = {
@@ -146,7 +147,13 @@ def measure_demo(work: str) -> dict[str, Any]:
     target = ensure_demo_target()
     out: dict[str, Any] = {"runs": {}}
     for name, encodings in LAYOUTS.items():
-        cfg = PrecomputeConfig(model=target, data=demo_data_path(), out=os.path.join(work, f"demo-{name}"), encodings=encodings, device="cpu")
+        cfg = PrecomputeConfig(
+            model=target,
+            data=demo_data_path(),
+            out=os.path.join(work, f"demo-{name}"),
+            encodings=encodings,
+            device="cpu",
+        )
         cfg.check()
         started = time.perf_counter()
         manifest = run_precompute(cfg, comm=LocalComm(), progress=False)
@@ -179,7 +186,10 @@ def measure_codecs() -> dict[str, Any]:
         for key, width in (("aux_hidden_states", 3 * REAL["hidden"]), ("last_hidden_state", REAL["hidden"])):
             if key == "aux_hidden_states":
                 # Low, middle and high layers: channel scales spread wider with depth.
-                x = torch.cat([activations(rows, REAL["hidden"], seed, sigma) for seed, sigma in ((1, 0.5), (2, 0.7), (3, 1.0))], dim=1)
+                x = torch.cat(
+                    [activations(rows, REAL["hidden"], seed, sigma) for seed, sigma in ((1, 0.5), (2, 0.7), (3, 1.0))],
+                    dim=1,
+                )
             else:
                 x = activations(rows, width, 4)
             z = get_encoding("zbf16")
@@ -187,7 +197,9 @@ def measure_codecs() -> dict[str, Any]:
             stored = sum(p.numel() * p.element_size() for p in parts.values())
             enc_s = best_time(lambda: z.encode(x, offsets))
             dec_s = best_time(lambda: z.decode(parts, offsets, 0, len(lengths), torch.bfloat16))
-            assert torch.equal(z.decode(parts, offsets, 0, len(lengths), torch.bfloat16).view(torch.int16), x.view(torch.int16))
+            assert torch.equal(
+                z.decode(parts, offsets, 0, len(lengths), torch.bfloat16).view(torch.int16), x.view(torch.int16)
+            )
             stats = zbf16_plane_stats(x, offsets)
             hi, bounds = parts["hi"].numpy(), parts["hi_offsets"].tolist()
             dctx = zstandard.ZstdDecompressor()
@@ -241,7 +253,13 @@ def measure_disk(work: str, size_mb: int) -> dict[str, Any]:
             total += n
     seconds = time.perf_counter() - started
     os.unlink(path)
-    return {"bytes": total, "seconds": seconds, "mb_s": total / seconds / 1e6, "resident_before_read": resident, "load": os.getloadavg()[0]}
+    return {
+        "bytes": total,
+        "seconds": seconds,
+        "mb_s": total / seconds / 1e6,
+        "resident_before_read": resident,
+        "load": os.getloadavg()[0],
+    }
 
 
 def _resident_fraction(path: str) -> float | None:
@@ -249,7 +267,12 @@ def _resident_fraction(path: str) -> float | None:
     if shutil.which("fincore") is None:
         return None
     try:
-        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES,SIZE", path], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            ["fincore", "--bytes", "--noheadings", "--output", "RES,SIZE", path],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         res, size = (int(v) for v in out.stdout.split()[:2])
         return res / size if size else None
     except (subprocess.CalledProcessError, ValueError):
@@ -282,8 +305,11 @@ def realistic(codecs: dict[str, Any], pickle_extra: int) -> dict[str, Any]:
         "range": {
             bound: estimate_shards(
                 eagle3_schema(hidden, torch.bfloat16, Supervision("hidden"), draft, False, LAYOUTS["zbf16"]),
-                lengths.tolist(), REAL["shard_size"], fraction,
-            )["total"] + side
+                lengths.tolist(),
+                REAL["shard_size"],
+                fraction,
+            )["total"]
+            + side
             for bound, fraction in zip(("low", "high"), ZBF16_HI_FRACTION)
         },
     }
@@ -297,29 +323,43 @@ def ok(flag: bool) -> str:
     return "**met**" if flag else "**not met**"
 
 
-def report(demo: dict[str, Any], codecs: dict[str, Any], disk: dict[str, Any], real: dict[str, Any],
-           pickle_info: tuple[int, list[int], int, list[int]], seconds: float) -> str:
+def report(
+    demo: dict[str, Any],
+    codecs: dict[str, Any],
+    disk: dict[str, Any],
+    real: dict[str, Any],
+    pickle_info: tuple[int, list[int], int, list[int]],
+    seconds: float,
+) -> str:
     lines: list[str] = []
     w = lines.append
     w("# Footprint: how small the cache gets")
     w("")
-    w(f"Generated by `make footprint` (`python benchmarks/footprint.py --out docs/footprint.md`) on {platform.machine()} "
-      f"with {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}; "
-      f"the whole run took {seconds:.0f} s.")
+    w(
+        f"Generated by `make footprint` (`python benchmarks/footprint.py --out docs/footprint.md`) on {platform.machine()} "
+        f"with {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}; "
+        f"the whole run took {seconds:.0f} s."
+    )
     w("")
     w("Layouts compared:")
     w("")
-    w("* **padded full-probability**: what other tools write for EAGLE-3: per token the three aux hidden states and "
-      "the target's probabilities over the draft vocabulary (bf16), int64 input ids and a one-byte loss mask, every "
-      "sample padded to the maximum length (`speccache.precompute.padded_probs_bytes`).")
-    w(f"* **pickle per sample**: one `torch.save` file per sample holding the same hidden states as speccache "
-      f"`hidden` (aux `[T, 3H]` and last hidden `[T, H]` in bf16, int64 `input_ids` and `loss_mask`), as EAGLE-style "
-      f"data generators save them, each sample padded to the longest sample of its batch of {PICKLE_BATCH} (data order). "
-      f"`torch.save` overhead measured on such a dict: {pickle_info[0]} bytes per file at H={demo['hidden']} "
-      f"(lengths 16/64/256: {pickle_info[1]}), {pickle_info[2]} bytes at H={REAL['hidden']} ({pickle_info[3]}).")
-    w("* **speccache hidden**: ragged rows (no padding), `last_hidden_state` instead of probabilities (the trainer "
-      "recomputes them from the LM-head rows in the side file), stored `raw`, `zbf16` (aux and last hidden) or "
-      "`fp8` (aux and last hidden). Totals include the shard headers, row offsets and the side file.")
+    w(
+        "* **padded full-probability**: what other tools write for EAGLE-3: per token the three aux hidden states and "
+        "the target's probabilities over the draft vocabulary (bf16), int64 input ids and a one-byte loss mask, every "
+        "sample padded to the maximum length (`speccache.precompute.padded_probs_bytes`)."
+    )
+    w(
+        f"* **pickle per sample**: one `torch.save` file per sample holding the same hidden states as speccache "
+        f"`hidden` (aux `[T, 3H]` and last hidden `[T, H]` in bf16, int64 `input_ids` and `loss_mask`), as EAGLE-style "
+        f"data generators save them, each sample padded to the longest sample of its batch of {PICKLE_BATCH} (data order). "
+        f"`torch.save` overhead measured on such a dict: {pickle_info[0]} bytes per file at H={demo['hidden']} "
+        f"(lengths 16/64/256: {pickle_info[1]}), {pickle_info[2]} bytes at H={REAL['hidden']} ({pickle_info[3]})."
+    )
+    w(
+        "* **speccache hidden**: ragged rows (no padding), `last_hidden_state` instead of probabilities (the trainer "
+        "recomputes them from the LM-head rows in the side file), stored `raw`, `zbf16` (aux and last hidden) or "
+        "`fp8` (aux and last hidden). Totals include the shard headers, row offsets and the side file."
+    )
     w("")
 
     # --- demo
@@ -330,15 +370,19 @@ def report(demo: dict[str, Any], codecs: dict[str, Any], disk: dict[str, Any], r
     pickles = pickle_layout_bytes(lengths, demo["hidden"], pickle_info[0])
     w("## Bundled dataset (measured)")
     w("")
-    w(f"The demo target (tiny Llama, hidden {demo['hidden']}, vocab {demo['draft_vocab']}) over the bundled ShareGPT "
-      f"file: {len(lengths)} samples, {tokens} real tokens (mean {tokens / len(lengths):.0f}), max length "
-      f"{demo['max_length']}. Each speccache row is a real `precompute` run; the estimate is `speccache estimate` "
-      "with the same flags.")
+    w(
+        f"The demo target (tiny Llama, hidden {demo['hidden']}, vocab {demo['draft_vocab']}) over the bundled ShareGPT "
+        f"file: {len(lengths)} samples, {tokens} real tokens (mean {tokens / len(lengths):.0f}), max length "
+        f"{demo['max_length']}. Each speccache row is a real `precompute` run; the estimate is `speccache estimate` "
+        "with the same flags."
+    )
     w("")
     w("| layout | total | bytes / real token | vs padded full-prob. | `estimate` said |")
     w("|---|---:|---:|---:|---|")
     w(f"| padded full-probability | {mb(padded)} | {padded / tokens:,.0f} | 1.0x | |")
-    w(f"| pickle per sample, padded to batch max | {mb(pickles)} | {pickles / tokens:,.0f} | {padded / pickles:.1f}x | |")
+    w(
+        f"| pickle per sample, padded to batch max | {mb(pickles)} | {pickles / tokens:,.0f} | {padded / pickles:.1f}x | |"
+    )
     for name, run in runs.items():
         m, est = run["manifest"], run["estimate"]
         side = sum(r["bytes"] for r in m["side_files"].values())
@@ -357,48 +401,68 @@ def report(demo: dict[str, Any], codecs: dict[str, Any], disk: dict[str, Any], r
     w("|---|---:|---:|---:|---:|---:|---|")
     err = runs["fp8"]["manifest"]["stats"]["encoding_error"]
     for key in FLOAT_KEYS:
-        r, z, f = raw_keys[key]["bytes"], runs["zbf16"]["inspect"]["keys"][key]["bytes"], runs["fp8"]["inspect"]["keys"][key]["bytes"]
-        w(f"| {key} | {mb(r)} | {mb(z)} | {z / r:.3f} | {mb(f)} | {f / r:.3f} | {err[key]['rms']:.4f}, {err[key]['max']:.4f} |")
+        r, z, f = (
+            raw_keys[key]["bytes"],
+            runs["zbf16"]["inspect"]["keys"][key]["bytes"],
+            runs["fp8"]["inspect"]["keys"][key]["bytes"],
+        )
+        w(
+            f"| {key} | {mb(r)} | {mb(z)} | {z / r:.3f} | {mb(f)} | {f / r:.3f} | {err[key]['rms']:.4f}, {err[key]['max']:.4f} |"
+        )
     w("")
 
     # --- realistic
     lens = real["lengths"]
     w("## Realistic configuration (computed)")
     w("")
-    w(f"{REAL['model']} widths: hidden {REAL['hidden']}, 3 aux layers (aux row {3 * REAL['hidden']}), target vocab "
-      f"{REAL['vocab']:,}, draft vocab {REAL['draft_vocab']:,} (so the one-byte `in_draft` flag is stored too), max "
-      f"length {REAL['max_length']}, shards of {REAL['shard_size']}. {REAL['samples']:,} samples (ShareGPT-like) with "
-      f"lognormal lengths (sigma 0.9) truncated to [16, {REAL['max_length']}]: mean {lens.mean():.0f}, median "
-      f"{np.median(lens):.0f}, {np.mean(lens == REAL['max_length']):.1%} truncated, {real['tokens']:,} tokens in all.")
+    w(
+        f"{REAL['model']} widths: hidden {REAL['hidden']}, 3 aux layers (aux row {3 * REAL['hidden']}), target vocab "
+        f"{REAL['vocab']:,}, draft vocab {REAL['draft_vocab']:,} (so the one-byte `in_draft` flag is stored too), max "
+        f"length {REAL['max_length']}, shards of {REAL['shard_size']}. {REAL['samples']:,} samples (ShareGPT-like) with "
+        f"lognormal lengths (sigma 0.9) truncated to [16, {REAL['max_length']}]: mean {lens.mean():.0f}, median "
+        f"{np.median(lens):.0f}, {np.mean(lens == REAL['max_length']):.1%} truncated, {real['tokens']:,} tokens in all."
+    )
     w("")
-    w("Sizes are layout arithmetic (`speccache.estimate.estimate_shards`: exact headers, offsets and parts). The zbf16 "
-      "high-byte plane uses the compression measured below on **synthetic** activations of the real widths "
-      "(Gaussian values with lognormal per-channel and per-token scales and four x50 outlier channels), a proxy: "
-      "real Llama-3.1-8B hidden states were not available here, and their exponent statistics (massive activations, "
-      "layer-dependent scale spreads) will move the zbf16 figure within the estimator's "
-      f"{ZBF16_HI_FRACTION[0]:.0%}-{ZBF16_HI_FRACTION[1]:.0%} high-plane range, shown as the zbf16 range.")
+    w(
+        "Sizes are layout arithmetic (`speccache.estimate.estimate_shards`: exact headers, offsets and parts). The zbf16 "
+        "high-byte plane uses the compression measured below on **synthetic** activations of the real widths "
+        "(Gaussian values with lognormal per-channel and per-token scales and four x50 outlier channels), a proxy: "
+        "real Llama-3.1-8B hidden states were not available here, and their exponent statistics (massive activations, "
+        "layer-dependent scale spreads) will move the zbf16 figure within the estimator's "
+        f"{ZBF16_HI_FRACTION[0]:.0%}-{ZBF16_HI_FRACTION[1]:.0%} high-plane range, shown as the zbf16 range."
+    )
     w("")
     w("| layout | total | bytes / real token | vs padded full-prob. |")
     w("|---|---:|---:|---:|")
     w(f"| padded full-probability | {mb(real['padded'])} | {real['padded'] / real['tokens']:,.0f} | 1.0x |")
-    w(f"| pickle per sample, padded to batch max | {mb(real['pickles'])} | {real['pickles'] / real['tokens']:,.0f} | "
-      f"{real['padded'] / real['pickles']:.1f}x |")
+    w(
+        f"| pickle per sample, padded to batch max | {mb(real['pickles'])} | {real['pickles'] / real['tokens']:,.0f} | "
+        f"{real['padded'] / real['pickles']:.1f}x |"
+    )
     for name, s in real["speccache"].items():
-        w(f"| speccache hidden, {name} | {mb(s['total'])} | {s['total'] / real['tokens']:,.0f} | {real['padded'] / s['total']:.1f}x |")
+        w(
+            f"| speccache hidden, {name} | {mb(s['total'])} | {s['total'] / real['tokens']:,.0f} | {real['padded'] / s['total']:.1f}x |"
+        )
     lo, hi = real["range"]["low"], real["range"]["high"]
-    w(f"| speccache hidden, zbf16 (estimator range) | {mb(lo)} - {mb(hi)} | {lo / real['tokens']:,.0f} - "
-      f"{hi / real['tokens']:,.0f} | {real['padded'] / hi:.1f}x - {real['padded'] / lo:.1f}x |")
+    w(
+        f"| speccache hidden, zbf16 (estimator range) | {mb(lo)} - {mb(hi)} | {lo / real['tokens']:,.0f} - "
+        f"{hi / real['tokens']:,.0f} | {real['padded'] / hi:.1f}x - {real['padded'] / lo:.1f}x |"
+    )
     w("")
-    w(f"The side file ({mb(real['speccache']['raw']['side'])}: embeddings and draft LM-head rows in bf16) is included "
-      "in every speccache total.")
+    w(
+        f"The side file ({mb(real['speccache']['raw']['side'])}: embeddings and draft LM-head rows in bf16) is included "
+        "in every speccache total."
+    )
     w("")
 
     # --- zbf16 and fp8
     w("## zbf16 against the entropy bound, and speed")
     w("")
-    w("The high byte (sign and top 7 exponent bits) is what zbf16 compresses; the bound is the order-0 empirical "
-      "entropy of that plane (`speccache.encoding.zbf16.entropy_bound_bytes`), the least any order-0 coder can store. "
-      "Efficiency = bound / stored high plane (offsets included).")
+    w(
+        "The high byte (sign and top 7 exponent bits) is what zbf16 compresses; the bound is the order-0 empirical "
+        "entropy of that plane (`speccache.encoding.zbf16.entropy_bound_bytes`), the least any order-0 coder can store. "
+        "Efficiency = bound / stored high plane (offsets included)."
+    )
     w("")
     w("| data | width | high plane stored / raw | bound / raw | efficiency | zbf16 / bf16 | bound zbf16 / bf16 |")
     w("|---|---:|---:|---:|---:|---:|---:|")
@@ -406,32 +470,45 @@ def report(demo: dict[str, Any], codecs: dict[str, Any], disk: dict[str, Any], r
     for key in FLOAT_KEYS:
         c = codecs[key]
         effs.append(c["efficiency"])
-        w(f"| synthetic `{key}` | {c['width']} | {c['hi_fraction']:.3f} | {c['hi_bound_fraction']:.3f} | "
-          f"{c['efficiency']:.1%} | {c['zbf16_stored'] / c['raw']:.3f} | {c['total_bound'] / c['raw']:.3f} |")
+        w(
+            f"| synthetic `{key}` | {c['width']} | {c['hi_fraction']:.3f} | {c['hi_bound_fraction']:.3f} | "
+            f"{c['efficiency']:.1%} | {c['zbf16_stored'] / c['raw']:.3f} | {c['total_bound'] / c['raw']:.3f} |"
+        )
     for key, st in demo["zbf16_planes"].items():
         effs.append(st["ratio"])
         values = st["lo"]
-        w(f"| demo target `{key}` (real) | {int(demo['hidden'] * (3 if key == 'aux_hidden_states' else 1))} | "
-          f"{st['hi_compressed'] / values:.3f} | {st['hi_entropy_bound'] / values:.3f} | {st['ratio']:.1%} | "
-          f"{st['total'] / st['raw']:.3f} | {(st['lo'] + st['hi_entropy_bound']) / st['raw']:.3f} |")
+        w(
+            f"| demo target `{key}` (real) | {int(demo['hidden'] * (3 if key == 'aux_hidden_states' else 1))} | "
+            f"{st['hi_compressed'] / values:.3f} | {st['hi_entropy_bound'] / values:.3f} | {st['ratio']:.1%} | "
+            f"{st['total'] / st['raw']:.3f} | {(st['lo'] + st['hi_entropy_bound']) / st['raw']:.3f} |"
+        )
     w("")
-    disk_note = (f"fincore then showed {disk['resident_before_read']:.0%} of it in the page cache"
-                 if disk["resident_before_read"] is not None else "residency not checked: no fincore")
-    w(f"One core (`torch.set_num_threads(1)`, zstd single-threaded), {codecs['rows']} rows of each synthetic key in two "
-      f"samples, best of 3. This machine is shared: the 1-minute load average was {codecs['load']:.1f} on "
-      f"{os.cpu_count()} cores when this ran, so a core was not this process's alone and an idle core is faster.")
+    disk_note = (
+        f"fincore then showed {disk['resident_before_read']:.0%} of it in the page cache"
+        if disk["resident_before_read"] is not None
+        else "residency not checked: no fincore"
+    )
+    w(
+        f"One core (`torch.set_num_threads(1)`, zstd single-threaded), {codecs['rows']} rows of each synthetic key in two "
+        f"samples, best of 3. This machine is shared: the 1-minute load average was {codecs['load']:.1f} on "
+        f"{os.cpu_count()} cores when this ran, so a core was not this process's alone and an idle core is faster."
+    )
     w("")
     w("| key | encode (bf16 MB/s in) | decode (bf16 MB/s out) | decode (stored MB/s in) | decode time in zstd |")
     w("|---|---:|---:|---:|---:|")
     for key in FLOAT_KEYS:
         c = codecs[key]
-        w(f"| {key} | {c['encode_mb_s']:,.0f} | {c['decode_mb_s']:,.0f} | {c['decode_stored_mb_s']:,.0f} | {c['zstd_share']:.0%} |")
+        w(
+            f"| {key} | {c['encode_mb_s']:,.0f} | {c['decode_mb_s']:,.0f} | {c['decode_stored_mb_s']:,.0f} | {c['zstd_share']:.0%} |"
+        )
     w("")
-    w(f"Cold sequential read on this machine: {disk['bytes'] / 1e9:.2f} GB in {disk['seconds']:.2f} s = "
-      f"**{disk['mb_s']:,.0f} MB/s**. Method: the file was written and fsynced, then evicted from the page cache with "
-      f"`posix_fadvise(POSIX_FADV_DONTNEED)` ({disk_note}), then read with 8 MiB unbuffered reads. "
-      "`/proc/sys/vm/drop_caches` was not used: it would evict every other process's cache on this shared machine. "
-      "On a virtual machine the host may still cache the image, which makes this figure an upper bound on the device.")
+    w(
+        f"Cold sequential read on this machine: {disk['bytes'] / 1e9:.2f} GB in {disk['seconds']:.2f} s = "
+        f"**{disk['mb_s']:,.0f} MB/s**. Method: the file was written and fsynced, then evicted from the page cache with "
+        f"`posix_fadvise(POSIX_FADV_DONTNEED)` ({disk_note}), then read with 8 MiB unbuffered reads. "
+        "`/proc/sys/vm/drop_caches` was not used: it would evict every other process's cache on this shared machine. "
+        "On a virtual machine the host may still cache the image, which makes this figure an upper bound on the device."
+    )
     w("")
     w("fp8 on the same synthetic data:")
     w("")
@@ -453,37 +530,55 @@ def report(demo: dict[str, Any], codecs: dict[str, Any], disk: dict[str, Any], r
     f_ratio = real["padded"] / real["speccache"]["fp8"]["total"]
     w("| target | figure | |")
     w("|---|---|---|")
-    w(f"| zbf16 stores the high plane within 85% of its entropy bound | lowest efficiency {min_eff:.1%} | {ok(min_eff >= 0.85)} |")
+    w(
+        f"| zbf16 stores the high plane within 85% of its entropy bound | lowest efficiency {min_eff:.1%} | {ok(min_eff >= 0.85)} |"
+    )
     slowest_out = min(codecs[k]["decode_mb_s"] for k in FLOAT_KEYS)
-    w(f"| zbf16 decodes faster per core than the disk delivers | {slowest_decode:,.0f} MB/s of stored data "
-      f"({slowest_out:,.0f} MB/s of bf16 out) per core vs {disk['mb_s']:,.0f} MB/s cold read | "
-      f"{ok(slowest_decode > disk['mb_s'])} |")
+    w(
+        f"| zbf16 decodes faster per core than the disk delivers | {slowest_decode:,.0f} MB/s of stored data "
+        f"({slowest_out:,.0f} MB/s of bf16 out) per core vs {disk['mb_s']:,.0f} MB/s cold read | "
+        f"{ok(slowest_decode > disk['mb_s'])} |"
+    )
     fp8_fractions = ", ".join(f"{codecs[k]['fp8_stored'] / codecs[k]['raw']:.4f}" for k in FLOAT_KEYS)
-    w(f"| fp8 halves a key's bf16 size within 2% (scales included), widths {REAL['hidden']} and {3 * REAL['hidden']} | "
-      f"{fp8_fractions} of bf16 "
-      f"({max(fp8_halves):.2%} off) | {ok(max(fp8_halves) <= 0.02)} |")
-    w(f"| realistic: hidden + zbf16 >= 6x smaller than padded full-probability | {z_ratio:.1f}x "
-      f"(estimator range {real['padded'] / hi:.1f}x - {real['padded'] / lo:.1f}x) | {ok(z_ratio >= 6)} |")
+    w(
+        f"| fp8 halves a key's bf16 size within 2% (scales included), widths {REAL['hidden']} and {3 * REAL['hidden']} | "
+        f"{fp8_fractions} of bf16 "
+        f"({max(fp8_halves):.2%} off) | {ok(max(fp8_halves) <= 0.02)} |"
+    )
+    w(
+        f"| realistic: hidden + zbf16 >= 6x smaller than padded full-probability | {z_ratio:.1f}x "
+        f"(estimator range {real['padded'] / hi:.1f}x - {real['padded'] / lo:.1f}x) | {ok(z_ratio >= 6)} |"
+    )
     w(f"| realistic: hidden + fp8 >= 10x smaller than padded full-probability | {f_ratio:.1f}x | {ok(f_ratio >= 10)} |")
     w("")
     w("Notes on the figures:")
     w("")
-    demo_fractions = ", ".join(f"{k} ({raw_keys[k]['shape'][0]} values a row) {r:.3f}" for k, r in zip(FLOAT_KEYS, demo_fp8))
-    w(f"* fp8 at the demo's widths takes {demo_fractions} of the bf16 size: the 4-byte row scale is "
-      f"{4 / demo['hidden']:.1%} of a {demo['hidden']}-value row, so the 2% target holds only from rows of "
-      "about 200 values up; at real model widths the scale is negligible.")
-    w("* Most of the gain over the padded layout comes from not storing probabilities (the draft vocabulary is "
-      f"{REAL['draft_vocab'] / (3 * REAL['hidden']):.1f}x wider than the aux row) and from storing only real tokens "
-      f"(mean {lens.mean():.0f} of {REAL['max_length']}); zbf16 and fp8 then take the hidden states from 2 bytes a "
-      "value to about 1.4 and 1.")
+    demo_fractions = ", ".join(
+        f"{k} ({raw_keys[k]['shape'][0]} values a row) {r:.3f}" for k, r in zip(FLOAT_KEYS, demo_fp8)
+    )
+    w(
+        f"* fp8 at the demo's widths takes {demo_fractions} of the bf16 size: the 4-byte row scale is "
+        f"{4 / demo['hidden']:.1%} of a {demo['hidden']}-value row, so the 2% target holds only from rows of "
+        "about 200 values up; at real model widths the scale is negligible."
+    )
+    w(
+        "* Most of the gain over the padded layout comes from not storing probabilities (the draft vocabulary is "
+        f"{REAL['draft_vocab'] / (3 * REAL['hidden']):.1f}x wider than the aux row) and from storing only real tokens "
+        f"(mean {lens.mean():.0f} of {REAL['max_length']}); zbf16 and fp8 then take the hidden states from 2 bytes a "
+        "value to about 1.4 and 1."
+    )
     if slowest_decode <= disk["mb_s"]:
         share = max(codecs[k]["zstd_share"] for k in FLOAT_KEYS)
-        w(f"* zbf16 decoding is slower than this disk on one core: up to {share:.0%} of the decode time is zstd "
-          "decoding the high-byte plane (its Huffman stage), the rest assembling bf16 values from the two planes, on a core "
-          "shared with other work (see the load average above). A reader keeps up by decoding in its DataLoader "
-          "workers: k workers decode about k times the per-core figure.")
-    w("* zbf16 is lossless; fp8 is not: its measured error is recorded in the manifest (`stats.encoding_error`) and "
-      "shown by `speccache inspect`.")
+        w(
+            f"* zbf16 decoding is slower than this disk on one core: up to {share:.0%} of the decode time is zstd "
+            "decoding the high-byte plane (its Huffman stage), the rest assembling bf16 values from the two planes, on a core "
+            "shared with other work (see the load average above). A reader keeps up by decoding in its DataLoader "
+            "workers: k workers decode about k times the per-core figure."
+        )
+    w(
+        "* zbf16 is lossless; fp8 is not: its measured error is recorded in the manifest (`stats.encoding_error`) and "
+        "shown by `speccache inspect`."
+    )
     w("")
     return "\n".join(lines)
 

@@ -52,19 +52,19 @@ import sys
 import time
 import types
 import zipfile
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from speccache.cache_writer import CacheWriter
 from speccache.format import LENGTHS_KEY, shard_path
 from speccache.read import CacheDataset, PackCollator, PadCollator
-from speccache.sampler import LocalityShuffleSampler
-from speccache.synthetic import synthetic_schema
-from speccache.write import OverlappedShardWriter, compute_shard_runs
+from speccache.read.sampler import LocalityShuffleSampler
+from speccache.testing.synthetic import synthetic_schema
+from speccache.write import CacheWriter, compute_shard_runs
 
 log = logging.getLogger("bench")
 logging.basicConfig(level=logging.WARNING)
@@ -88,7 +88,7 @@ class Kind:
     max_len: int
     batch: int
 
-    def scaled(self, scale: float) -> "Kind":
+    def scaled(self, scale: float) -> Kind:
         n = max(self.shard_size * 4, int(self.num_samples * scale) // self.shard_size * self.shard_size)
         return Kind(self.name, n, self.shard_size, self.hidden, self.min_len, self.max_len, self.batch)
 
@@ -274,21 +274,29 @@ def shard_paths(cache_dir: str) -> list[str]:
 
 def write_native_cache(cache_dir: str, kind: Kind, pool: Pool) -> None:
     """A sealed native cache of ``kind`` through the producer path (reused when a previous run left it)."""
-    config = {"bench": kind.name, "n": kind.num_samples, "shard_size": kind.shard_size, "hidden": kind.hidden,
-              "len": [kind.min_len, kind.max_len]}
+    config = {
+        "bench": kind.name,
+        "n": kind.num_samples,
+        "shard_size": kind.shard_size,
+        "hidden": kind.hidden,
+        "len": [kind.min_len, kind.max_len],
+    }
     if _sealed(cache_dir, config):
         return
     shutil.rmtree(cache_dir, ignore_errors=True)
     lengths = sample_lengths(kind)
     writer = CacheWriter(
-        cache_dir, cache_name="synthetic", schema=synthetic_schema(kind.hidden), shard_size=kind.shard_size,
-        num_samples=kind.num_samples, config=config,
+        cache_dir,
+        cache_name="synthetic",
+        schema=synthetic_schema(kind.hidden),
+        shard_size=kind.shard_size,
+        num_samples=kind.num_samples,
+        config=config,
     )
-    with OverlappedShardWriter(writer.shard_writer) as write:
-        for index in writer.begin():
+    with writer.writing() as run:
+        for index in run.shards:
             a = index * kind.shard_size
-            write(cache_dir, index, native_shard(lengths[a : a + kind.shard_size], a, pool))
-    writer.seal()
+            run.write_shard(cache_dir, index, native_shard(lengths[a : a + kind.shard_size], a, pool))
 
 
 def _sealed(cache_dir: str, config: dict[str, Any]) -> bool:
@@ -304,8 +312,12 @@ def write_seed_cache(cache_dir: str, kind: Kind, pool: Pool) -> None:
     """The same samples as a seed-layout cache, written as the seed does (``safetensors.torch.save_file``)."""
     from safetensors.torch import save_file
 
-    manifest = {"format_version": SEED_VERSION, "shard_size": kind.shard_size, "num_samples": kind.num_samples,
-                "bench": [kind.name, kind.hidden, kind.min_len, kind.max_len]}
+    manifest = {
+        "format_version": SEED_VERSION,
+        "shard_size": kind.shard_size,
+        "num_samples": kind.num_samples,
+        "bench": [kind.name, kind.hidden, kind.min_len, kind.max_len],
+    }
     try:
         with open(os.path.join(cache_dir, "manifest.json")) as f:
             if json.load(f) == manifest:
@@ -356,8 +368,11 @@ def _download_upstream(work: str) -> str | None:
     if os.path.exists(member):
         return member
     try:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", target, "nemo-automodel==0.7.0"],
-                       check=True, timeout=300)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", target, "nemo-automodel==0.7.0"],
+            check=True,
+            timeout=300,
+        )
         wheel = glob.glob(os.path.join(target, "nemo_automodel-0.7.0-*.whl"))[0]
         with zipfile.ZipFile(wheel) as z:
             z.extract(UPSTREAM_MEMBER, target)
@@ -398,10 +413,20 @@ def verdict(met: bool | None) -> str:
 
 
 def bench_write(report: Report, work: str, scale: float, rounds: int) -> float:
-    kind = Kind("write", num_samples=max(64, int(384 * scale)) // 8 * 8, shard_size=8, hidden=4096, min_len=256, max_len=256, batch=8)
+    kind = Kind(
+        "write",
+        num_samples=max(64, int(384 * scale)) // 8 * 8,
+        shard_size=8,
+        hidden=4096,
+        min_len=256,
+        max_len=256,
+        batch=8,
+    )
     pool = Pool(kind.hidden, 8192, seed=1)
     lengths = sample_lengths(kind)
-    shards = [native_shard(lengths[a : a + kind.shard_size], a, pool) for a in range(0, kind.num_samples, kind.shard_size)]
+    shards = [
+        native_shard(lengths[a : a + kind.shard_size], a, pool) for a in range(0, kind.num_samples, kind.shard_size)
+    ]
     out = os.path.join(work, "write")
     schema = synthetic_schema(kind.hidden)
 
@@ -409,11 +434,17 @@ def bench_write(report: Report, work: str, scale: float, rounds: int) -> float:
         shutil.rmtree(out, ignore_errors=True)
         os.sync()
         t = time.perf_counter()
-        writer = CacheWriter(out, cache_name="synthetic", schema=schema, shard_size=kind.shard_size,
-                             num_samples=kind.num_samples, config={"bench": "write"})
-        for index in writer.begin():
-            writer.shard_writer(out, index, shards[index])
-        writer.seal()
+        writer = CacheWriter(
+            out,
+            cache_name="synthetic",
+            schema=schema,
+            shard_size=kind.shard_size,
+            num_samples=kind.num_samples,
+            config={"bench": "write"},
+        )
+        with writer.writing(overlap=False) as run:
+            for index in run.shards:
+                run.write_shard(out, index, shards[index])
         return time.perf_counter() - t
 
     def plain() -> float:
@@ -436,15 +467,19 @@ def bench_write(report: Report, work: str, scale: float, rounds: int) -> float:
     shutil.rmtree(out, ignore_errors=True)
     report.add("## 1. Write throughput")
     report.add()
-    report.add(f"{len(shards)} shards of {kind.shard_size} samples x {kind.max_len} tokens x {kind.hidden} bf16 "
-               f"({nbytes / 1e6:.0f} MB). The cache path encodes, hashes (per tensor and per file), writes a temp "
-               "file, fsyncs, renames and fsyncs the directory per shard, then seals the manifest; the plain path "
-               "writes the same tensor bytes to one file per shard and fsyncs it.")
+    report.add(
+        f"{len(shards)} shards of {kind.shard_size} samples x {kind.max_len} tokens x {kind.hidden} bf16 "
+        f"({nbytes / 1e6:.0f} MB). The cache path encodes, hashes (per tensor and per file), writes a temp "
+        "file, fsyncs, renames and fsyncs the directory per shard, then seals the manifest; the plain path "
+        "writes the same tensor bytes to one file per shard and fsyncs it."
+    )
     report.add()
     report.table(
         ["path", "seconds", "MB/s"],
-        [["speccache cache write", f"{best['cache']:.2f}", f"{nbytes / best['cache'] / 1e6:.0f}"],
-         ["plain write + fsync", f"{best['plain']:.2f}", f"{nbytes / best['plain'] / 1e6:.0f}"]],
+        [
+            ["speccache cache write", f"{best['cache']:.2f}", f"{nbytes / best['cache'] / 1e6:.0f}"],
+            ["plain write + fsync", f"{best['plain']:.2f}", f"{nbytes / best['plain'] / 1e6:.0f}"],
+        ],
     )
     r = best["plain"] / best["cache"]
     report.add(f"Cache write throughput / plain write throughput: **{r:.2f}x**.")
@@ -489,6 +524,7 @@ def bench_overlap(report: Report, work: str, scale: float, rounds: int, upstream
             if delay[who]:
                 time.sleep(delay[who])
             return outputs[first // batch]
+
         return step
 
     def ours(write: str) -> float:
@@ -496,18 +532,29 @@ def bench_overlap(report: Report, work: str, scale: float, rounds: int, upstream
         os.sync()
         t = time.perf_counter()
         if write == "none":  # compute alone: the same loop, shards dropped
-            compute_shard_runs(loader, out, shard_size, range(n // shard_size), compute(native, "ours"),
-                               lambda d, i, s: shard_path(d, i), log, ragged_keys=ragged)
+            compute_shard_runs(
+                loader,
+                out,
+                shard_size,
+                range(n // shard_size),
+                compute(native, "ours"),
+                lambda d, i, s: shard_path(d, i),
+                log,
+                ragged_keys=ragged,
+            )
             return time.perf_counter() - t
-        writer = CacheWriter(out, cache_name="synthetic", schema=schema, shard_size=shard_size, num_samples=n,
-                             config={"bench": "overlap"})
-        todo = writer.begin()
-        if write == "overlapped":
-            with OverlappedShardWriter(writer.shard_writer) as write_fn:
-                compute_shard_runs(loader, out, shard_size, todo, compute(native, "ours"), write_fn, log, ragged_keys=ragged)
-        else:
-            compute_shard_runs(loader, out, shard_size, todo, compute(native, "ours"), writer.shard_writer, log, ragged_keys=ragged)
-        writer.seal()
+        writer = CacheWriter(
+            out,
+            cache_name="synthetic",
+            schema=schema,
+            shard_size=shard_size,
+            num_samples=n,
+            config={"bench": "overlap"},
+        )
+        with writer.writing(overlap=write == "overlapped") as run:
+            compute_shard_runs(
+                loader, out, shard_size, run.shards, compute(native, "ours"), run.write_shard, log, ragged_keys=ragged
+            )
         return time.perf_counter() - t
 
     def theirs(write: bool = True) -> float:
@@ -520,8 +567,15 @@ def bench_overlap(report: Report, work: str, scale: float, rounds: int, upstream
             return upstream.write_tensor_shard(d, i, s, SEED_KEYS, "bench") if write else shard_path(d, i)
 
         t = time.perf_counter()
-        upstream.write_cache_shards(dataloader=loader, output_dir=out, shard_size=shard_size, start_shard_index=0,
-                                    compute_batch=compute(seed, "seed"), write_shard_fn=write_fn, logger=log)
+        upstream.write_cache_shards(
+            dataloader=loader,
+            output_dir=out,
+            shard_size=shard_size,
+            start_shard_index=0,
+            compute_batch=compute(seed, "seed"),
+            write_shard_fn=write_fn,
+            logger=log,
+        )
         elapsed = time.perf_counter() - t
         os.sync()  # its writes skip fsync: flush them before the next timing, outside this one
         return elapsed
@@ -530,7 +584,9 @@ def bench_overlap(report: Report, work: str, scale: float, rounds: int, upstream
     alone = best_of(rounds, {"ours": lambda: ours("sync"), **({"seed": theirs} if upstream else {})})
     delay["ours"] = alone["ours"] / len(native)
     jobs: dict[str, Callable[[], float]] = {
-        "compute": lambda: ours("none"), "overlapped": lambda: ours("overlapped"), "sync": lambda: ours("sync"),
+        "compute": lambda: ours("none"),
+        "overlapped": lambda: ours("overlapped"),
+        "sync": lambda: ours("sync"),
     }
     if upstream is not None:
         delay["seed"] = alone["seed"] / len(seed)
@@ -541,40 +597,61 @@ def bench_overlap(report: Report, work: str, scale: float, rounds: int, upstream
     bound = max(c, w)
     report.add("## 2. Precompute: compute overlapped with writing")
     report.add()
-    report.add(f"{n // shard_size} shards of {shard_size} samples x {length} tokens x {hidden} bf16, batches of {batch}. "
-               "The compute step is a sleep (the CPU stays free, as during a GPU forward) calibrated so that the loop "
-               "with compute only takes as long as the loop with writes only: "
-               f"{delay['ours'] * 1e3:.1f} ms per batch for speccache (`CacheWriter` + `compute_shard_runs`, "
-               "`OverlappedShardWriter` or the `NativeShardWriter` itself)"
-               + (f", {delay['seed'] * 1e3:.1f} ms for the seed's `write_cache_shards`, whose `save_file` writes "
-                  "do not fsync." if upstream is not None else "."))
+    report.add(
+        f"{n // shard_size} shards of {shard_size} samples x {length} tokens x {hidden} bf16, batches of {batch}. "
+        "The compute step is a sleep (the CPU stays free, as during a GPU forward) calibrated so that the loop "
+        "with compute only takes as long as the loop with writes only: "
+        f"{delay['ours'] * 1e3:.1f} ms per batch for speccache (`CacheWriter` + `compute_shard_runs`, "
+        "`OverlappedShardWriter` or the `NativeShardWriter` itself)"
+        + (
+            f", {delay['seed'] * 1e3:.1f} ms for the seed's `write_cache_shards`, whose `save_file` writes "
+            "do not fsync."
+            if upstream is not None
+            else "."
+        )
+    )
     report.add()
     rows = [
         ["speccache: compute only (shards dropped)", f"{c:.2f}", ""],
         ["speccache: writes only (no compute)", f"{w:.2f}", ""],
-        ["speccache: overlapped loop", f"{best['overlapped']:.2f}", f"{best['overlapped'] / bound:.2f}x max(compute, write)"],
-        ["speccache: synchronous loop", f"{best['sync']:.2f}",
-         f"{best['sync'] / bound:.2f}x max(compute, write); {best['sync'] / (c + w):.2f}x (compute + write)"],
+        [
+            "speccache: overlapped loop",
+            f"{best['overlapped']:.2f}",
+            f"{best['overlapped'] / bound:.2f}x max(compute, write)",
+        ],
+        [
+            "speccache: synchronous loop",
+            f"{best['sync']:.2f}",
+            f"{best['sync'] / bound:.2f}x max(compute, write); {best['sync'] / (c + w):.2f}x (compute + write)",
+        ],
     ]
     if upstream is not None:
         cs, ws = best["seed compute"], alone["seed"]
         rows += [
             ["seed: compute only", f"{cs:.2f}", ""],
             ["seed: writes only", f"{ws:.2f}", ""],
-            ["seed: synchronous loop", f"{best['seed']:.2f}",
-             f"{best['seed'] / max(cs, ws):.2f}x max(compute, write); {best['seed'] / (cs + ws):.2f}x (compute + write)"],
+            [
+                "seed: synchronous loop",
+                f"{best['seed']:.2f}",
+                f"{best['seed'] / max(cs, ws):.2f}x max(compute, write); {best['seed'] / (cs + ws):.2f}x (compute + write)",
+            ],
         ]
     report.table(["run", "seconds", "ratio"], rows)
     r = best["overlapped"] / bound
     report.target(
-        "precompute overlapped loop <= 1.15x max(compute, write)", f"{r:.2f}x", r <= 1.15,
-        f"Writing the last shard ({w / (n // shard_size):.2f} s) and `CacheWriter.begin`/`seal` cannot overlap any "
+        "precompute overlapped loop <= 1.15x max(compute, write)",
+        f"{r:.2f}x",
+        r <= 1.15,
+        f"Writing the last shard ({w / (n // shard_size):.2f} s) and entering and sealing `CacheWriter.writing` cannot overlap any "
         "compute; beyond that, the writer thread (hashing, copying into the page cache, fsync) and the producer's "
         "thread contend for this machine's 2 shared cores, which the two single-resource loops do not.",
     )
     if upstream is not None:
-        report.target("seed synchronous loop: about compute + write (reported)",
-                      f"{best['seed'] / (cs + ws):.2f}x (compute + write)", None)
+        report.target(
+            "seed synchronous loop: about compute + write (reported)",
+            f"{best['seed'] / (cs + ws):.2f}x (compute + write)",
+            None,
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -593,7 +670,9 @@ def read_files(paths: Sequence[str], buf: mmap.mmap) -> int:
     return total
 
 
-def epoch(dataset: Dataset, order: Iterable[int], batch: int, collate: Callable[[list[Any]], dict[str, torch.Tensor]]) -> float:
+def epoch(
+    dataset: Dataset, order: Iterable[int], batch: int, collate: Callable[[list[Any]], dict[str, torch.Tensor]]
+) -> float:
     loader = DataLoader(dataset, batch_size=batch, sampler=order, collate_fn=collate, num_workers=0)
     t = time.perf_counter()
     for _ in loader:
@@ -601,8 +680,9 @@ def epoch(dataset: Dataset, order: Iterable[int], batch: int, collate: Callable[
     return time.perf_counter() - t
 
 
-def bench_reads(report: Report, work: str, kinds: Sequence[Kind], rounds: int, upstream: types.ModuleType | None,
-                cache: PageCache) -> None:
+def bench_reads(
+    report: Report, work: str, kinds: Sequence[Kind], rounds: int, upstream: types.ModuleType | None, cache: PageCache
+) -> None:
     rows3, rows4 = [], []
     sizes: list[str] = []
     for kind in kinds:
@@ -629,12 +709,14 @@ def bench_reads(report: Report, work: str, kinds: Sequence[Kind], rounds: int, u
             def run() -> float:
                 read_files(files, buf)
                 return job()
+
             return run
 
         def cold(files: list[str], job: Callable[[], float]) -> Callable[[], float]:
             def run() -> float:
                 cache.drop(files)
                 return job()
+
             return run
 
         jobs: dict[str, Callable[[], float]] = {
@@ -643,17 +725,24 @@ def bench_reads(report: Report, work: str, kinds: Sequence[Kind], rounds: int, u
         }
         for order_name, order in orders.items():
             for variant, collate in collators.items():
-                def ours(order: list[int] = order, local: bool = order_name == "locality", collate: Any = collate) -> float:
+
+                def ours(
+                    order: list[int] = order, local: bool = order_name == "locality", collate: Any = collate
+                ) -> float:
                     ds = CacheDataset(native_dir)
-                    sampler = LocalityShuffleSampler(ds, ds.shard_size, seed=0, prefetch=ds.prefetch) if local else order
+                    sampler = (
+                        LocalityShuffleSampler(ds, ds.shard_size, seed=0, prefetch=ds.prefetch) if local else order
+                    )
                     return epoch(ds, sampler, kind.batch, collate)
 
                 jobs[f"ours-{variant} {order_name} warm"] = warm(native_files, ours)
                 jobs[f"ours-{variant} {order_name} cold"] = cold(every, ours)
             if upstream is not None:
+
                 def theirs(order: list[int] = order) -> float:
-                    ds = upstream.CachedTensorDataset(cache_dir=seed_dir, cache_name="bench", format_version=SEED_VERSION,
-                                                      disk_keys=SEED_KEYS)
+                    ds = upstream.CachedTensorDataset(
+                        cache_dir=seed_dir, cache_name="bench", format_version=SEED_VERSION, disk_keys=SEED_KEYS
+                    )
                     return epoch(ds, order, kind.batch, seed_collate)
 
                 jobs[f"seed {order_name} warm"] = warm(seed_files, theirs)
@@ -661,8 +750,10 @@ def bench_reads(report: Report, work: str, kinds: Sequence[Kind], rounds: int, u
         best = best_of(rounds, jobs)
         nbytes = sum(os.path.getsize(p) for p in native_files)
         seed_bytes = sum(os.path.getsize(p) for p in seed_files)
-        label = (f"{kind.name} ({kind.num_samples} samples of {kind.min_len}-{kind.max_len} tokens x {kind.hidden} bf16, "
-                 f"~{nbytes / kind.num_samples / 1e6:.2f} MB; batch {kind.batch})")
+        label = (
+            f"{kind.name} ({kind.num_samples} samples of {kind.min_len}-{kind.max_len} tokens x {kind.hidden} bf16, "
+            f"~{nbytes / kind.num_samples / 1e6:.2f} MB; batch {kind.batch})"
+        )
         for order_name in orders:
             for state in ("warm", "cold"):
                 ours_t = best[f"ours-pack {order_name} {state}"]
@@ -670,53 +761,98 @@ def bench_reads(report: Report, work: str, kinds: Sequence[Kind], rounds: int, u
                 r = plain_t / ours_t
                 target = {("large", "warm"): 0.8, ("large", "cold"): 0.9}.get((kind.name, state))
                 met = None if target is None or order_name != "locality" else r >= target
-                rows3.append([label, order_name, state, f"{ours_t:.2f}", f"{plain_t:.2f}", f"{r:.2f}x",
-                              f">= {target}x" if target and order_name == "locality" else "", verdict(met) if met is not None else ""])
+                rows3.append(
+                    [
+                        label,
+                        order_name,
+                        state,
+                        f"{ours_t:.2f}",
+                        f"{plain_t:.2f}",
+                        f"{r:.2f}x",
+                        f">= {target}x" if target and order_name == "locality" else "",
+                        verdict(met) if met is not None else "",
+                    ]
+                )
                 if met is not None:
-                    report.target(f"{kind.name} {state} shuffled reads (locality sampler) >= {target}x plain "
-                                  f"{'read into a reused buffer' if state == 'warm' else 'sequential read'}", f"{r:.2f}x", met,
-                                  WHY[state].format(ours_warm=best["ours-pack locality warm"], ours_cold=best["ours-pack locality cold"],
-                                                    plain_warm=best["plain warm"], plain_cold=best["plain cold"]))
+                    report.target(
+                        f"{kind.name} {state} shuffled reads (locality sampler) >= {target}x plain "
+                        f"{'read into a reused buffer' if state == 'warm' else 'sequential read'}",
+                        f"{r:.2f}x",
+                        met,
+                        WHY[state].format(
+                            ours_warm=best["ours-pack locality warm"],
+                            ours_cold=best["ours-pack locality cold"],
+                            plain_warm=best["plain warm"],
+                            plain_cold=best["plain cold"],
+                        ),
+                    )
                 if upstream is not None:
                     seed_t = best[f"seed {order_name} {state}"]
                     ours_t = best[f"ours-pad {order_name} {state}"]
                     r4 = seed_t / ours_t
                     met4 = r4 >= 3 if kind.name == "small" else None
-                    rows4.append([label, order_name, state, f"{ours_t:.2f}", f"{seed_t:.2f}", f"{r4:.2f}x",
-                                  ">= 3x" if kind.name == "small" else "", verdict(met4) if met4 is not None else ""])
+                    rows4.append(
+                        [
+                            label,
+                            order_name,
+                            state,
+                            f"{ours_t:.2f}",
+                            f"{seed_t:.2f}",
+                            f"{r4:.2f}x",
+                            ">= 3x" if kind.name == "small" else "",
+                            verdict(met4) if met4 is not None else "",
+                        ]
+                    )
                     if met4 is not None:
                         ours_w, seed_w = best[f"ours-pad {order_name} warm"], best[f"seed {order_name} warm"]
-                        why = WHY[f"seed {state}"].format(ours=ours_t, seed=seed_t, ours_warm=ours_w, seed_warm=seed_w,
-                                                          ours_io=ours_t - ours_w, seed_io=seed_t - seed_w)
-                        report.target(f"small {state} reads ({order_name} order) >= 3x the seed reader", f"{r4:.2f}x", met4, why)
-        sizes.append(f"{kind.name} {nbytes / 1e6:.0f} MB" + (f" ({seed_bytes / 1e6:.0f} MB in the seed's layout)" if seed_bytes else ""))
+                        why = WHY[f"seed {state}"].format(
+                            ours=ours_t,
+                            seed=seed_t,
+                            ours_warm=ours_w,
+                            seed_warm=seed_w,
+                            ours_io=ours_t - ours_w,
+                            seed_io=seed_t - seed_w,
+                        )
+                        report.target(
+                            f"small {state} reads ({order_name} order) >= 3x the seed reader", f"{r4:.2f}x", met4, why
+                        )
+        sizes.append(
+            f"{kind.name} {nbytes / 1e6:.0f} MB"
+            + (f" ({seed_bytes / 1e6:.0f} MB in the seed's layout)" if seed_bytes else "")
+        )
         buf.close()
     report.add("## 3. Shuffled batch reads against a plain read of the same files")
     report.add()
-    report.add("One epoch through `DataLoader(CacheDataset, batch_size=B, sampler=..., collate_fn=PackCollator, "
-               "num_workers=0)`, a fresh dataset each time (shards opened during the epoch); caches: "
-               f"{', '.join(sizes)}. PackCollator concatenates the samples, so the batches hold exactly the "
-               "shards' data bytes, like the baseline. Locality order: `LocalityShuffleSampler(dataset, shard_size, "
-               "prefetch=dataset.prefetch)` (windows of 8 shards; the next `4 * shard_size` samples are announced "
-               "to the kernel while a batch is read); random order: a uniform permutation as a plain list. The baseline "
-               "reads every shard file whole into one reused 16 MiB buffer: warm, right after a read that fills the "
-               "page cache; cold, sequentially after dropping it. Ratio: baseline time / speccache time (1.00x: as "
-               "fast as the plain read).")
+    report.add(
+        "One epoch through `DataLoader(CacheDataset, batch_size=B, sampler=..., collate_fn=PackCollator, "
+        "num_workers=0)`, a fresh dataset each time (shards opened during the epoch); caches: "
+        f"{', '.join(sizes)}. PackCollator concatenates the samples, so the batches hold exactly the "
+        "shards' data bytes, like the baseline. Locality order: `LocalityShuffleSampler(dataset, shard_size, "
+        "prefetch=dataset.prefetch)` (windows of 8 shards; the next `4 * shard_size` samples are announced "
+        "to the kernel while a batch is read); random order: a uniform permutation as a plain list. The baseline "
+        "reads every shard file whole into one reused 16 MiB buffer: warm, right after a read that fills the "
+        "page cache; cold, sequentially after dropping it. Ratio: baseline time / speccache time (1.00x: as "
+        "fast as the plain read)."
+    )
     report.add()
     report.table(["samples", "order", "cache", "speccache s", "plain s", "ratio", "target", ""], rows3)
     if upstream is not None:
         report.add("## 4. The same reads with NeMo AutoModel 0.7.0's offline cache")
         report.add()
-        report.add("`CachedTensorDataset` + `collate_cached` of nemo-automodel 0.7.0's `offline_cache` module, over a "
-                   "cache of the same samples in its layout (fixed keys `input_ids`, `loss_mask`, `hidden`, `sample_id`, "
-                   "each sample padded to the longest length, as it requires; same bytes per real token), the same "
-                   "orders and batch sizes. speccache uses `PadCollator` here, so that both produce padded batches "
-                   "(its pad to the batch's longest sample). Ratio: seed time / speccache time.")
+        report.add(
+            "`CachedTensorDataset` + `collate_cached` of nemo-automodel 0.7.0's `offline_cache` module, over a "
+            "cache of the same samples in its layout (fixed keys `input_ids`, `loss_mask`, `hidden`, `sample_id`, "
+            "each sample padded to the longest length, as it requires; same bytes per real token), the same "
+            "orders and batch sizes. speccache uses `PadCollator` here, so that both produce padded batches "
+            "(its pad to the batch's longest sample). Ratio: seed time / speccache time."
+        )
         report.add()
         report.table(["samples", "order", "cache", "speccache s", "seed s", "speedup", "target", ""], rows4)
     if cache.method:
-        report.add(f"Page cache dropped with {cache.method}; afterwards at most {cache.residue:.1%} of the files' "
-                   "pages were still cached (`mincore`).")
+        report.add(
+            f"Page cache dropped with {cache.method}; afterwards at most {cache.residue:.1%} of the files' "
+            "pages were still cached (`mincore`)."
+        )
         report.add()
 
 
@@ -775,7 +911,9 @@ def startup_child(cache_dir: str, reader: str, upstream_path: str) -> None:
         upstream, _ = load_upstream(upstream_path, os.path.dirname(cache_dir))
         assert upstream is not None
         t = time.perf_counter()
-        ds = upstream.CachedTensorDataset(cache_dir=cache_dir, cache_name="bench", format_version=SEED_VERSION, disk_keys=SEED_KEYS)
+        ds = upstream.CachedTensorDataset(
+            cache_dir=cache_dir, cache_name="bench", format_version=SEED_VERSION, disk_keys=SEED_KEYS
+        )
         opened = time.perf_counter() - t
         collate = functools.partial(upstream.collate_cached, keys=SEED_KEYS)
     sampler = LocalityShuffleSampler(len(ds), ds.shard_size)
@@ -783,8 +921,15 @@ def startup_child(cache_dir: str, reader: str, upstream_path: str) -> None:
     print(json.dumps({"open": opened, "total": time.perf_counter() - t}))
 
 
-def bench_startup(report: Report, work: str, rounds: int, upstream: types.ModuleType | None, upstream_path: str,
-                  cache: PageCache, shards: int) -> None:
+def bench_startup(
+    report: Report,
+    work: str,
+    rounds: int,
+    upstream: types.ModuleType | None,
+    upstream_path: str,
+    cache: PageCache,
+    shards: int,
+) -> None:
     native_dir = os.path.join(work, "startup")
     seed_dir = os.path.join(work, "startup-seed")
     t = time.perf_counter()
@@ -794,8 +939,12 @@ def bench_startup(report: Report, work: str, rounds: int, upstream: types.Module
     def child(cache_dir: str, reader: str, drop: bool) -> dict[str, float]:
         if drop:
             cache.drop([os.path.join(cache_dir, "manifest.json"), *shard_paths(cache_dir)[:: max(1, shards // 1000)]])
-        out = subprocess.run([sys.executable, __file__, "--startup-child", cache_dir, reader, "--upstream", upstream_path],
-                             check=True, capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--startup-child", cache_dir, reader, "--upstream", upstream_path],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     results: dict[str, dict[str, float]] = {}
@@ -810,9 +959,11 @@ def bench_startup(report: Report, work: str, rounds: int, upstream: types.Module
     report.add(f"## 5. Reader start-up on a {shards:,}-shard cache")
     report.add()
     origin = f"built in {built:.0f} s" if built >= 1 else "built by an earlier run"
-    report.add(f"Caches of {shards:,} shards of 2 samples ({origin}, kept in the work directory). A fresh "
-               "process (imports done) times the dataset's construction (manifest, shard listing) and then its first "
-               "batch of 64 through a DataLoader in locality order. Cold: page cache dropped before the process starts.")
+    report.add(
+        f"Caches of {shards:,} shards of 2 samples ({origin}, kept in the work directory). A fresh "
+        "process (imports done) times the dataset's construction (manifest, shard listing) and then its first "
+        "batch of 64 through a DataLoader in locality order. Cold: page cache dropped before the process starts."
+    )
     report.add()
     rows = []
     for state in ("warm", "cold"):
@@ -836,7 +987,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="docs/benchmarks.md")
     p.add_argument("--work", default="bench-out", help="scratch directory; its caches are reused by later runs")
-    p.add_argument("--upstream", default=UPSTREAM_DEFAULT, help="nemo_automodel/.../offline_cache.py of nemo-automodel 0.7.0")
+    p.add_argument(
+        "--upstream", default=UPSTREAM_DEFAULT, help="nemo_automodel/.../offline_cache.py of nemo-automodel 0.7.0"
+    )
     p.add_argument("--scale", type=float, default=1.0, help="scale the data sizes (1.0: ~1.2 GB large-sample caches)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--shards", type=int, default=10_000, help="shards of the start-up cache")
@@ -862,21 +1015,27 @@ def main(argv: list[str] | None = None) -> None:
     if "reads" in sections:
         bench_reads(body, a.work, [LARGE.scaled(a.scale), SMALL.scaled(a.scale)], a.rounds, upstream, cache)
     if "startup" in sections:
-        bench_startup(body, a.work, a.rounds, upstream, a.upstream if upstream is None else upstream_where, cache, a.shards)
+        bench_startup(
+            body, a.work, a.rounds, upstream, a.upstream if upstream is None else upstream_where, cache, a.shards
+        )
     elapsed = time.perf_counter() - started
 
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     report.add("# speccache benchmarks")
     report.add()
-    report.add(f"Generated by `make bench` (`python benchmarks/run.py --out {a.out}`) on {now} in {elapsed / 60:.1f} min "
-               f"(scale {a.scale}, best of {a.rounds} interleaved rounds).")
+    report.add(
+        f"Generated by `make bench` (`python benchmarks/run.py --out {a.out}`) on {now} in {elapsed / 60:.1f} min "
+        f"(scale {a.scale}, best of {a.rounds} interleaved rounds)."
+    )
     report.add()
     report.add("Machine:")
     report.add()
     for line in machine_description(a.work):
         report.add(line)
-    report.add(f"- load average (1/5/15 min) at start {load_start}, at end {load_average()}: other jobs shared the "
-               "machine, which is why every figure is a ratio of timings interleaved in the same run")
+    report.add(
+        f"- load average (1/5/15 min) at start {load_start}, at end {load_average()}: other jobs shared the "
+        "machine, which is why every figure is a ratio of timings interleaved in the same run"
+    )
     report.add(f"- seed module: {upstream_where if upstream is not None else upstream_where}")
     report.add()
     report.add("## Targets")
@@ -891,7 +1050,6 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         f.write("\n".join(report.lines).rstrip() + "\n")
-
 
 
 if __name__ == "__main__":

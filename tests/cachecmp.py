@@ -26,4 +26,6 @@ def all_samples(path: str, **kwargs) -> list[dict[str, torch.Tensor]]:
 
 def same_samples(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> bool:
     """Whether two sample lists hold the same keys and tensors, in order."""
-    return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b)
+    )

@@ -4,12 +4,14 @@ Producers run as real, separate processes. Starting a fresh interpreter costs
 about 5 s here (importing torch), far longer than the run itself, so that a
 random kill time would nearly always land in the import. Instead a *fork
 server* (``python tests/crashlib.py serve``) imports ``speccache`` once and, per
-request, forks a child that runs ``speccache.synthetic.main(argv)`` (what
-``python -m speccache.synthetic ARGV`` runs) or ``speccache.cli.main(argv)``
+request, forks a child that runs ``speccache.testing.synthetic.main(argv)`` (what
+``python -m speccache.testing.synthetic ARGV`` runs) or ``speccache.cli.main(argv)``
 with its own environment and log file. The server kills the child with
 ``SIGKILL`` after ``kill_after`` seconds when asked, reaps it and reports its
 exit status. The server itself never runs torch code, so forking it is safe.
-``SPECCACHE_FAULT`` (see ``speccache.faults``) kills a child at a named point instead.
+``SPECCACHE_FAULT`` (see ``speccache.testing.faults``) kills a child at a named point instead:
+the child arms it with ``install_from_env()`` once its environment is set, as
+``python -m speccache.testing.faults MODULE ARGV`` does in a fresh interpreter.
 A request can also send SIGINT instead of SIGKILL, run the child under a file-size
 limit (RLIMIT_FSIZE) or skip ``fsync`` (which only matters for power loss, not for a
 killed process, and makes runs several times faster so that more kills fit).
@@ -39,8 +41,9 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-PRODUCER = "speccache.synthetic"
+PRODUCER = "speccache.testing.synthetic"
 CLI = "speccache.cli"
+FAULTS = "speccache.testing.faults"
 SOAK = os.environ.get("SPECCACHE_SOAK", "") not in ("", "0")
 
 
@@ -71,12 +74,15 @@ def _child(req: dict[str, Any]) -> None:
             # fsync only matters when the machine loses power; a killed process's writes stay in the page
             # cache. Skipping it makes a run several times faster, so more kills fit in the time budget.
             os.fsync = lambda fd: None
+        from speccache.testing import faults
+
+        faults.install_from_env()  # SPECCACHE_FAULT, from the request's environment
         module = importlib.import_module(req["module"])
         result = module.main(list(req["argv"]))
         code = result if isinstance(result, int) else 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # noqa: BLE001 - reported through the log and the exit code
+    except BaseException:
         traceback.print_exc()
         code = 1
     finally:
@@ -113,7 +119,7 @@ def _wait(pid: int, kill_after: float | None, timeout: float, signum: int = sign
 
 def serve() -> None:
     """The fork server loop: one JSON request per stdin line, one JSON reply per stdout line."""
-    for name in (PRODUCER, CLI, "speccache.verify"):
+    for name in (PRODUCER, CLI, FAULTS, "speccache.read.verify"):
         importlib.import_module(name)
     out = sys.stdout
     print(json.dumps({"ready": os.getpid()}), file=out, flush=True)
@@ -274,12 +280,14 @@ class Reference:
     samples: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    def build(cls, server: ForkServer, producer: Producer, path: str, sync: bool = False) -> "Reference":
+    def build(cls, server: ForkServer, producer: Producer, path: str, sync: bool = False) -> Reference:
         result = server.run(PRODUCER, producer.argv(path, sync=sync), log=path + ".log")
         assert result.rc == 0, f"reference run failed (rc {result.rc}):\n{result.output()}"
         files = read_tree(path)
         ref = cls(producer, path, files, json.loads(files["manifest.json"]), result.elapsed)
-        fast = server.run(PRODUCER, producer.argv(path + "-nofsync", sync=not sync), log=path + "-nofsync.log", nofsync=True)
+        fast = server.run(
+            PRODUCER, producer.argv(path + "-nofsync", sync=not sync), log=path + "-nofsync.log", nofsync=True
+        )
         assert fast.rc == 0, f"reference run failed (rc {fast.rc}):\n{fast.output()}"
         assert read_tree(path + "-nofsync") == files, "skipping fsync or overlapping the writes changed the cache"
         ref.fast_elapsed = fast.elapsed
@@ -290,7 +298,7 @@ class Reference:
         return ref
 
     def unsealed_manifest(self) -> dict[str, Any]:
-        """What the manifest says between ``begin`` and ``seal``."""
+        """What the manifest says while the cache is being written (before the seal)."""
         body = {k: v for k, v in self.manifest.items() if k not in UNSEALED_ONLY}
         body["complete"] = False
         return body
@@ -299,7 +307,7 @@ class Reference:
 def classify(name: str) -> str:
     """What a reader makes of a file name in a cache directory: manifest, shard, lock, temp or other."""
     from speccache.format import MANIFEST_NAME, SHARD_RE, TMP_MARK
-    from speccache.lock import LOCK_NAME
+    from speccache.format.lock import LOCK_NAME
 
     if name == MANIFEST_NAME:
         return "manifest"
@@ -337,7 +345,9 @@ def check_after_kill(out: str, ref: Reference) -> dict[str, int]:
             if manifest.get("complete"):
                 assert data == ref.files["manifest.json"], f"{out}: a sealed manifest differs from the reference"
             else:
-                assert manifest == ref.unsealed_manifest(), f"{out}: the unsealed manifest differs from the expected one"
+                assert manifest == ref.unsealed_manifest(), (
+                    f"{out}: the unsealed manifest differs from the expected one"
+                )
     if "manifest.json" not in tree:
         return found
     sealed = json.loads(tree["manifest.json"]).get("complete")
@@ -358,13 +368,15 @@ def check_after_kill(out: str, ref: Reference) -> dict[str, int]:
         assert len(ds) == min(prefix * ref.producer.shard_size, ref.producer.samples)
     got = ds.__getitems__(range(len(ds)))
     for i, (a, b) in enumerate(zip(got, ref.samples)):
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"{out}: sample {i} differs from the reference"
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (
+            f"{out}: sample {i} differs from the reference"
+        )
     return found
 
 
 def check_final(out: str, ref: Reference) -> None:
     """The resumed cache is the uninterrupted one, byte for byte, and ``verify`` finds it sound."""
-    from speccache.verify import verify_cache
+    from speccache.read.verify import verify_cache
 
     tree = read_tree(out)
     assert sorted(tree) == sorted(ref.files), f"{out}: files {sorted(tree)} != reference {sorted(ref.files)}"
@@ -463,10 +475,18 @@ def run_scenario(server: ForkServer, scenario: Scenario, ref: Reference, workdir
     return outcome
 
 
-FAULT_POINTS_FRESH = ("after_manifest_begin", "mid_manifest_write:1", "mid_manifest_write:2", "before_seal", "after_seal")
+FAULT_POINTS_FRESH = (
+    "after_manifest_begin",
+    "mid_manifest_write:1",
+    "mid_manifest_write:2",
+    "before_seal",
+    "after_seal",
+)
 
 
-def make_scenarios(rng: random.Random, refs: dict[Producer, Reference], count: int, fsync_share: float = 0.25) -> list[Scenario]:
+def make_scenarios(
+    rng: random.Random, refs: dict[Producer, Reference], count: int, fsync_share: float = 0.25
+) -> list[Scenario]:
     """``count`` scenarios: first every named fault point (fresh and in a resume), then seeded random chains.
 
     Random kill times are uniform over the whole run (``[0, 1.05 x`` the uninterrupted run ``]``);
@@ -477,14 +497,24 @@ def make_scenarios(rng: random.Random, refs: dict[Producer, Reference], count: i
     scenarios: list[Scenario] = []
     base = producers[0]
     n = base.num_shards
-    fixed: list[list[Kill]] = [[Kill(fault=p, sync=s)] for p, s in zip(FAULT_POINTS_FRESH, (False, True, False, True, False))]
+    fixed: list[list[Kill]] = [
+        [Kill(fault=p, sync=s)] for p, s in zip(FAULT_POINTS_FRESH, (False, True, False, True, False))
+    ]
     fixed += [
         [Kill(fault="mid_shard_write:1")],
         [Kill(fault=f"mid_shard_write:{n // 2}", sync=True)],
         [Kill(fault=f"mid_shard_write:{n}")],
         # kills during resumes: the resumed begin, a resumed shard, the resumed seal
-        [Kill(fault=f"mid_shard_write:{n // 3}"), Kill(fault="after_manifest_begin", sync=True), Kill(fault="mid_shard_write:2")],
-        [Kill(fault=f"mid_shard_write:{n // 4}", sync=True), Kill(fault="mid_manifest_write:2"), Kill(fault="after_seal")],
+        [
+            Kill(fault=f"mid_shard_write:{n // 3}"),
+            Kill(fault="after_manifest_begin", sync=True),
+            Kill(fault="mid_shard_write:2"),
+        ],
+        [
+            Kill(fault=f"mid_shard_write:{n // 4}", sync=True),
+            Kill(fault="mid_manifest_write:2"),
+            Kill(fault="after_seal"),
+        ],
     ]
     for i, kills in enumerate(fixed[:count]):
         scenarios.append(Scenario(f"fault-{i}", base, kills, final_sync=bool(i % 2), fsync=i in (0, 6)))

@@ -12,7 +12,7 @@ import pytest
 
 from speccache.cli import main
 from speccache.format import manifest_path, shard_path
-from speccache.synthetic import write_synthetic_cache
+from speccache.testing.synthetic import write_synthetic_cache
 
 NUM_SAMPLES, SHARD_SIZE, HIDDEN = 12, 4, 8
 
@@ -20,8 +20,10 @@ NUM_SAMPLES, SHARD_SIZE, HIDDEN = 12, 4, 8
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("cli") / "cache")
-    manifest = write_synthetic_cache(path, num_samples=NUM_SAMPLES, shard_size=SHARD_SIZE, hidden=HIDDEN, max_len=10, overlap=False)
-    return path, manifest
+    manifest = write_synthetic_cache(
+        path, num_samples=NUM_SAMPLES, shard_size=SHARD_SIZE, hidden=HIDDEN, max_len=10, overlap=False
+    )
+    return path, manifest.to_json()
 
 
 @pytest.fixture
@@ -104,7 +106,9 @@ def test_verify_a_flipped_byte_exits_one_naming_the_shard(cache, capsys):
 def test_verify_json_of_a_damaged_cache_by_subprocess(cache):
     # The one run through `python -m speccache` (a new interpreter costs seconds); the rest call main().
     os.truncate(shard_path(cache, 2), os.path.getsize(shard_path(cache, 2)) - 3)
-    proc = subprocess.run([sys.executable, "-m", "speccache", "verify", cache, "--json"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "speccache", "verify", cache, "--json"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 1, proc.stderr
     report = json.loads(proc.stdout)
     assert report["ok"] is False
@@ -149,7 +153,9 @@ def test_inspect_without_a_manifest_exits_one(tmp_path, capsys):
 # bad usage
 
 
-@pytest.mark.parametrize("argv", [[], ["inspect"], ["verify"], ["frobnicate", "x"], ["verify", "x", "--bogus"], ["inspect", "a", "b"]])
+@pytest.mark.parametrize(
+    "argv", [[], ["inspect"], ["verify"], ["frobnicate", "x"], ["verify", "x", "--bogus"], ["inspect", "a", "b"]]
+)
 def test_bad_usage_exits_two(argv, capsys):
     assert run_main(argv) == 2
     assert "usage" in capsys.readouterr().err

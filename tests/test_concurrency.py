@@ -16,11 +16,11 @@ import time
 
 import pytest
 
-from cachecmp import all_samples, same_samples
 import crashlib
+from cachecmp import all_samples, same_samples
 from speccache.errors import CacheIncompleteError, CacheLockedError
-from speccache.lock import LOCK_NAME, CacheLock
-from speccache.synthetic import write_synthetic_cache
+from speccache.format.lock import LOCK_NAME, CacheLock
+from speccache.testing.synthetic import write_synthetic_cache
 
 ARGS = dict(num_samples=48, shard_size=4, hidden=32, max_len=32)
 
@@ -49,8 +49,6 @@ def _fork_holder(cache_dir: str) -> tuple[int, int]:
     return pid, go_w
 
 
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("ref") / "cache")
@@ -66,7 +64,9 @@ def test_second_writer_is_refused_naming_the_holder(tmp_path, reference):
             with pytest.raises(CacheLockedError) as info:
                 write_synthetic_cache(out, resume=resume, **ARGS)
             message = str(info.value)
-            assert f"process {pid}" in message and socket.gethostname() in message and "still running" in message, message
+            assert f"process {pid}" in message and socket.gethostname() in message and "still running" in message, (
+                message
+            )
             assert os.listdir(out) == [LOCK_NAME], "the refused writer changed the directory"
     finally:
         os.close(go)
@@ -183,7 +183,7 @@ def test_two_readers_and_a_writer_on_different_directories_do_not_interfere(tmp_
             while not done.is_set() or reads[slot] < 2:
                 assert same_samples(all_samples(path, verify=True), expected)
                 reads[slot] += 1
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
             done.set()
 
@@ -204,7 +204,10 @@ def test_two_readers_and_a_writer_on_different_directories_do_not_interfere(tmp_
 
 
 def test_a_reader_beside_a_live_writer_sees_nothing_or_a_correct_prefix(tmp_path, reference):
-    """A reader polling the directory a writer is filling: no manifest, an unsealed cache, or the whole cache."""
+    """A reader polling the directory a writer is filling: no manifest, an unsealed cache, or the whole cache.
+
+    A reader of the unsealed prefix keeps reading when the writer seals under it (the same run's manifest).
+    """
     out = str(tmp_path / "cache")
     seen = {"missing": 0, "incomplete": 0, "complete": 0}
     errors: list[BaseException] = []
@@ -227,7 +230,7 @@ def test_a_reader_beside_a_live_writer_sees_nothing_or_a_correct_prefix(tmp_path
                     continue
                 assert same_samples(got, reference[1])
                 seen["complete"] += 1
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     t = threading.Thread(target=poll)
@@ -248,7 +251,7 @@ def test_writer_killed_while_taking_the_lock_leaves_no_lock_nobody_can_recover(t
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         try:
-            import speccache.lock as lock_module
+            import speccache.format.lock as lock_module
 
             class _DieWhileWriting:
                 def __getattr__(self, name):

@@ -28,8 +28,8 @@ from speccache import cli
 from speccache.errors import CacheCorruptError, CacheIncompleteError, SpeccacheError
 from speccache.format import MANIFEST_NAME, ShardFile, shard_path
 from speccache.read import CacheDataset
-from speccache.synthetic import write_synthetic_cache
-from speccache.verify import verify_cache
+from speccache.read.verify import verify_cache
+from speccache.testing.synthetic import write_synthetic_cache
 
 SAMPLES, SHARD = 22, 4  # 6 shards, the last one partial
 NUM_SHARDS = -(-SAMPLES // SHARD)
@@ -44,7 +44,9 @@ def _read_all(path: str, verify: bool) -> list[dict[str, torch.Tensor]]:
 @pytest.fixture(scope="module", params=["raw", "zbf16"])
 def pristine(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(f"pristine-{request.param}") / "cache")
-    write_synthetic_cache(path, num_samples=SAMPLES, shard_size=SHARD, hidden=16, max_len=24, encoding=request.param, overlap=False)
+    write_synthetic_cache(
+        path, num_samples=SAMPLES, shard_size=SHARD, hidden=16, max_len=24, encoding=request.param, overlap=False
+    )
     return path, _read_all(path, verify=True)
 
 
@@ -53,7 +55,6 @@ def cache(pristine, tmp_path):
     path = str(tmp_path / "cache")
     shutil.copytree(pristine[0], path)
     return path
-
 
 
 def assert_verify_reports(path: str, capsys, file: str, *fragments: str) -> None:
@@ -88,9 +89,9 @@ def assert_reader_safe(path: str, reference, name_in_error: str | None, structur
             assert name_in_error in str(exc), f"error does not name {name_in_error}: {exc}"
     else:
         assert not structural, "structural damage was read without an error"
-        assert [{k: v.shape for k, v in s.items()} for s in got] == [{k: v.shape for k, v in s.items()} for s in reference], (
-            "damage changed a sample's length without an error"
-        )
+        assert [{k: v.shape for k, v in s.items()} for s in got] == [
+            {k: v.shape for k, v in s.items()} for s in reference
+        ], "damage changed a sample's length without an error"
 
 
 def _shard(path: str, index: int) -> tuple[str, str, bytes]:
@@ -114,7 +115,9 @@ def test_truncated_shard_at_random_offsets(cache, pristine, capsys):
         index = rng.randrange(NUM_SHARDS)
         full, name, data = _shard(cache, index)
         data_start = ShardFile(full).data_start
-        cut = rng.choice([0, 1, 7, 8, rng.randrange(9, data_start), data_start, rng.randrange(data_start, len(data)), len(data) - 1])
+        cut = rng.choice(
+            [0, 1, 7, 8, rng.randrange(9, data_start), data_start, rng.randrange(data_start, len(data)), len(data) - 1]
+        )
         _rewrite(full, data[:cut])
         assert_verify_reports(cache, capsys, name)
         assert_reader_safe(cache, pristine[1], name, structural=True)
@@ -190,7 +193,12 @@ def test_shard_duplicated_under_another_index(cache, pristine, capsys, source, t
 
 def test_temp_files_and_other_names_are_never_read_as_shards(cache, pristine, capsys):
     _, _, data = _shard(cache, 1)
-    for junk in ("shard-000009.safetensors.tmp-host-1-abcd", "shard-9.safetensors", "shard-000009.safetensors.bak", ".tmp"):
+    for junk in (
+        "shard-000009.safetensors.tmp-host-1-abcd",
+        "shard-9.safetensors",
+        "shard-000009.safetensors.bak",
+        ".tmp",
+    ):
         _rewrite(os.path.join(cache, junk), data)
     assert verify_cache(cache).ok
     assert same_samples(_read_all(cache, verify=True), pristine[1])
@@ -228,29 +236,80 @@ DELETE = object()
 # the reader may read the cache because the edit does not change what it returns)
 MANIFEST_EDITS = {
     "num_samples+1": (_set(("num_samples",), lambda n: n + 1), "shard-000005.safetensors", "manifest expects", "holds"),
-    "num_samples+3": (_set(("num_samples",), lambda n: n + 3), "shard-000006.safetensors", "missing shard", "missing [6]"),
+    "num_samples+3": (
+        _set(("num_samples",), lambda n: n + 3),
+        "shard-000006.safetensors",
+        "missing shard",
+        "missing [6]",
+    ),
     "num_samples-1": (_set(("num_samples",), lambda n: n - 1), "shard-000005.safetensors", "manifest expects", "holds"),
-    "num_samples-2": (_set(("num_samples",), lambda n: n - 2), "shard-000005.safetensors", "unexpected shard", "unexpected [5]"),
+    "num_samples-2": (
+        _set(("num_samples",), lambda n: n - 2),
+        "shard-000005.safetensors",
+        "unexpected shard",
+        "unexpected [5]",
+    ),
     "num_samples=str": (_set(("num_samples",), "many"), MANIFEST_NAME, "malformed manifest", "integer"),
-    "shard_size": (_set(("shard_size",), lambda n: n + 1), "shard-000000.safetensors", "manifest expects", "unexpected [5]"),
+    "shard_size": (
+        _set(("shard_size",), lambda n: n + 1),
+        "shard-000000.safetensors",
+        "manifest expects",
+        "unexpected [5]",
+    ),
     "shard_size=0": (_set(("shard_size",), 0), MANIFEST_NAME, "shard_size", "shard_size"),
     "num_tokens": (_set(("num_tokens",), lambda n: n + 1), MANIFEST_NAME, "num_tokens", None),
     "table samples": (_set(("shards", 3, "samples"), lambda n: n + 1), "shard-000003.safetensors", "shard table", None),
     "table tokens": (_set(("shards", 3, "tokens"), lambda n: n - 1), "shard-000003.safetensors", "shard table", None),
-    "table bytes": (_set(("shards", 3, "bytes"), lambda n: n + 8), "shard-000003.safetensors", "shard table", None),
-    "table checksum": (_set(("shards", 3, "xxh3_128"), "0" * 32), "shard-000003.safetensors", "shard table", "shard-000003"),
+    # the reader checks each shard's size against the table whenever it opens it
+    "table bytes": (
+        _set(("shards", 3, "bytes"), lambda n: n + 8),
+        "shard-000003.safetensors",
+        "shard table",
+        "shard table records",
+    ),
+    "table checksum": (
+        _set(("shards", 3, "xxh3_128"), "0" * 32),
+        "shard-000003.safetensors",
+        "shard table",
+        "shard-000003",
+    ),
     "table row missing": (lambda m: m["shards"].pop(4), MANIFEST_NAME, "shard table lists", None),
     "table missing": (_set(("shards",), DELETE), MANIFEST_NAME, "shard table lists", None),
-    "schema dtype": (_set(("keys", "input_ids", "dtype"), "int64"), "shard-000000.safetensors", "input_ids", "input_ids"),
-    "schema unknown dtype": (_set(("keys", "input_ids", "dtype"), "int128"), MANIFEST_NAME, "unknown dtype", "unknown dtype"),
+    "schema dtype": (
+        _set(("keys", "input_ids", "dtype"), "int64"),
+        "shard-000000.safetensors",
+        "input_ids",
+        "input_ids",
+    ),
+    "schema unknown dtype": (
+        _set(("keys", "input_ids", "dtype"), "int128"),
+        MANIFEST_NAME,
+        "unknown dtype",
+        "unknown dtype",
+    ),
     "schema shape": (_set(("keys", "hidden", "shape"), [17]), "shard-000000.safetensors", "hidden", "hidden"),
-    "schema ragged": (_set(("keys", "sample_id", "ragged"), True), "shard-000000.safetensors", "sample_id", "sample_id"),
+    "schema ragged": (
+        _set(("keys", "sample_id", "ragged"), True),
+        "shard-000000.safetensors",
+        "sample_id",
+        "sample_id",
+    ),
     "schema encoding": (_set(("keys", "loss_mask", "encoding"), "fp8"), MANIFEST_NAME, "fp8", "fp8"),
     "schema key removed": (_set(("keys", "loss_mask"), DELETE), "shard-000000.safetensors", "loss_mask", "loss_mask"),
-    "schema key renamed": (lambda m: m["keys"].update(mask=m["keys"].pop("loss_mask")), "shard-000000.safetensors", "mask", "mask"),
+    "schema key renamed": (
+        lambda m: m["keys"].update(mask=m["keys"].pop("loss_mask")),
+        "shard-000000.safetensors",
+        "mask",
+        "mask",
+    ),
     "schema empty": (_set(("keys",), {}), MANIFEST_NAME, "keys", "keys"),
-    "format_version": (_set(("format_version",), 2), MANIFEST_NAME, "format_version 2", "format_version=2"),
-    "format_version missing": (_set(("format_version",), DELETE), MANIFEST_NAME, "format_version None", "format_version=None"),
+    "format_version": (_set(("format_version",), 2), MANIFEST_NAME, "format_version=2", "format_version=2"),
+    "format_version missing": (
+        _set(("format_version",), DELETE),
+        MANIFEST_NAME,
+        "format_version=None",
+        "format_version=None",
+    ),
     "complete=false": (_set(("complete",), False), MANIFEST_NAME, "not complete", "--resume"),
     "complete missing": (_set(("complete",), DELETE), MANIFEST_NAME, "not complete", "--resume"),
 }

@@ -1,6 +1,6 @@
 """Crash safety: kill a real producer at seeded random moments and named points, resume, compare.
 
-Every scenario kills ``python -m speccache.synthetic`` (run by the fork server of
+Every scenario kills ``python -m speccache.testing.synthetic`` (run by the fork server of
 ``crashlib``) one to three times on the same directory, checks after each kill
 that a reader sees only whole shards equal to the uninterrupted run's (and an
 unsealed cache is refused with the resume command), then resumes with
@@ -12,7 +12,8 @@ Also here, because they share the fork servers and reference caches: Ctrl-C
 (SIGINT) at random moments must leave no temporary file and no lock (and must
 not hang); a real file-size limit (RLIMIT_FSIZE, EFBIG) must stop the producer
 with a ShardWriteError naming the shard, and a resume must complete the cache;
-the fault hook must work in a fresh ``python -m speccache.synthetic``.
+the fault hook must work in a fresh interpreter
+(``SPECCACHE_FAULT=... python -m speccache.testing.faults speccache.testing.synthetic``).
 
 The normal suite kills at least 30 times; ``SPECCACHE_SOAK=1`` (``make soak``)
 runs hundreds of kills (and interrupts) over larger caches and every encoding.
@@ -35,7 +36,19 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import crashlib
-from crashlib import CLI, PRODUCER, ForkServer, Kill, Producer, Reference, Scenario, check_after_kill, check_final, run_scenario
+from crashlib import (
+    CLI,
+    FAULTS,
+    PRODUCER,
+    ForkServer,
+    Kill,
+    Producer,
+    Reference,
+    Scenario,
+    check_after_kill,
+    check_final,
+    run_scenario,
+)
 
 SEED = int(os.environ.get("SPECCACHE_CRASH_SEED", "20240611"))
 WORKERS = 2
@@ -137,8 +150,12 @@ def _interrupt_scenario(server: ForkServer, scenario: Scenario, ref: Reference, 
         outcome.kill_points += 1
         assert "KeyboardInterrupt" in result.output() or result.rc == -signal.SIGINT, result.output()
     found = check_after_kill(out, ref)
-    assert found["temp"] == 0 and found["lock"] == 0, f"interrupted at {kill.seconds:.3f}s left {found}:\n{result.output()}"
-    result = server.run(PRODUCER, scenario.producer.argv(out, resume=True), log=os.path.join(workdir, "final.log"), nofsync=True)
+    assert found["temp"] == 0 and found["lock"] == 0, (
+        f"interrupted at {kill.seconds:.3f}s left {found}:\n{result.output()}"
+    )
+    result = server.run(
+        PRODUCER, scenario.producer.argv(out, resume=True), log=os.path.join(workdir, "final.log"), nofsync=True
+    )
     assert result.rc == 0, result.output()
     check_final(out, ref)
     return outcome
@@ -157,11 +174,16 @@ def test_ctrl_c_leaves_no_temp_file_or_lock(servers, refs, tmp_path):
 
 
 def test_fault_hook_in_a_fresh_interpreter(refs, tmp_path):
-    """The plain command lines, no fork server: SPECCACHE_FAULT kills `python -m speccache.synthetic` mid-shard."""
+    """The plain command lines, no fork server: the fault wrapper kills a fresh producer mid-shard.
+
+    ``SPECCACHE_FAULT=mid_shard_write:N python -m speccache.testing.faults speccache.testing.synthetic OUT ...``
+    arms the fault point, then runs the producer; the resume is a plain ``python -m speccache.testing.synthetic``.
+    """
     producer = PRODUCERS[0]
     out = str(tmp_path / "cache")
     env = {**os.environ, "SPECCACHE_FAULT": f"mid_shard_write:{producer.num_shards // 2}", "OMP_NUM_THREADS": "1"}
-    killed = subprocess.run([sys.executable, "-m", PRODUCER, *producer.argv(out)], env=env, capture_output=True, text=True)
+    killed = subprocess.run([sys.executable, "-m", FAULTS, PRODUCER, *producer.argv(out)], env=env, capture_output=True,
+                            text=True)  # fmt: skip
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     check_after_kill(out, refs[producer])
     names = os.listdir(out)
@@ -208,7 +230,9 @@ def test_file_size_limit_stops_cleanly_and_resume_completes(servers, refs, tmp_p
                            fsize_limit=limit, nofsync=True)  # fmt: skip
         text = r.output()
         assert r.rc == 1, text
-        assert "ShardWriteError" in text and f"shard-{first:06d}.safetensors failed" in text and "File too large" in text, text
+        assert (
+            "ShardWriteError" in text and f"shard-{first:06d}.safetensors failed" in text and "File too large" in text
+        ), text
         assert "--resume" in text, text
         found = check_after_kill(out, ref)
         assert found == {"shard": first, "temp": 0, "lock": 0, "manifest": 1}, found

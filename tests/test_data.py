@@ -98,9 +98,13 @@ def test_prefix_difference_path_matches_generation_marker_path(tok, prefix_tok):
 
 def test_template_that_is_not_prefix_stable_is_an_error_even_when_skipping(tmp_path):
     tokenizer = build_demo_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE.replace(
-        "{%- if add_generation_prompt -%}<|assistant|>", "{%- if add_generation_prompt -%}<|assistant|>Answer:"
-    ).replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    tokenizer.chat_template = (
+        CHAT_TEMPLATE.replace(
+            "{%- if add_generation_prompt -%}<|assistant|>", "{%- if add_generation_prompt -%}<|assistant|>Answer:"
+        )
+        .replace("{% generation %}", "")
+        .replace("{% endgeneration %}", "")
+    )
     path = write_jsonl(tmp_path / "d.jsonl", [openai_row()])
     with pytest.raises(DataError, match=r"d\.jsonl:1: the chat template is not prefix-stable.*generation"):
         load_samples(path, tokenizer, 256, skip_bad_rows=True)

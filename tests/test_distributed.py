@@ -1,6 +1,6 @@
 """Distributed precompute on CPU with Gloo: real process groups of 1, 2 and 3 ranks, and torchrun.
 
-Every run writes the synthetic cache (``speccache.synthetic``) and is compared,
+Every run writes the synthetic cache (``speccache.testing.synthetic``) and is compared,
 file by file and byte for byte (shards and manifest), with the same cache
 written by one process here. The spawned ranks also check, through hooks:
 
@@ -9,9 +9,11 @@ written by one process here. The spawned ranks also check, through hooks:
 * a ``compute_batch`` that all-reduces on every call is called the same number
   of times on every rank (fresh runs, and resumed runs where ranks have
   different amounts of work left), so the lockstep padding holds;
-* a configuration mismatch or any error on rank 0 during ``begin`` is raised on
-  every rank with the same type and message, and nobody waits at a barrier;
-  so is a rank that cannot see the manifest rank 0 wrote (no shared filesystem);
+* a configuration mismatch or any error on rank 0 while ``CacheWriter.writing``
+  prepares the directory (a side file that cannot be written) is raised on every
+  rank with the same type and message, and nobody waits at a barrier; so is a
+  rank that cannot see the lock file rank 0 holds (no shared filesystem), before
+  any manifest or shard is written;
 * an empty dataset reads no sample and writes only a sealed 0-sample manifest;
 * a rank much slower than another (more real steps than the other's cheap
   dummy ones, for longer than the timeout in all) does not make the fast one
@@ -19,8 +21,9 @@ written by one process here. The spawned ranks also check, through hooks:
 * a hung rank makes the other one fail with ``DistributedError`` within the
   timeout; the cache then resumes at another world size.
 
-A separate test kills one of three ranks (``SPECCACHE_FAULT``, a real SIGKILL in
-the middle of a shard write), checks that the two others fail fast with a
+A separate test kills one of three ranks (``SPECCACHE_FAULT`` armed by
+``python -m speccache.testing.faults``, a real SIGKILL in the middle of a shard
+write), checks that the two others fail fast with a
 message naming the ``--resume`` way out, and resumes with ``torchrun`` on two ranks.
 
 Processes start slowly here (importing torch takes seconds), so each group runs
@@ -38,25 +41,28 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 
-import speccache.cache_writer as cache_writer_module
-import speccache.synthetic as synthetic
-import speccache.write as write_module
+import speccache.format.manifest as manifest_module
+import speccache.testing.synthetic as synthetic
+import speccache.write.cache_writer as cache_writer_module
+import speccache.write.loops as loops_module
 from cachecmp import file_tree
-from speccache.cache_writer import CacheWriter, _rebuild_error
 from speccache.cli import main as cli_main
-from speccache.dist import TorchComm, collective_failure_message, init_from_env, shutdown
 from speccache.errors import CacheExistsError, ConfigMismatchError, DistributedError, SpeccacheError
 from speccache.format import load_manifest_json, manifest_path, shard_path
-from speccache.lock import LOCK_NAME
-from speccache.verify import verify_cache
+from speccache.format.lock import LOCK_NAME
+from speccache.read.verify import verify_cache
 from speccache.write import partition_cache_shards
+from speccache.write.cache_writer import CacheWriter, SideFile, _rebuild_error
+from speccache.write.dist import TorchComm, collective_failure_message, init_from_env, shutdown
+from speccache.write.writers import NativeShardWriter
 
 COMMON = dict(hidden=16, max_len=24, seed=3)
 CONFIGS: dict[str, dict[str, int]] = {
@@ -71,7 +77,9 @@ GROUP_TIMEOUT = 60.0  # generous: joining waits for the slowest interpreter star
 HANG_TIMEOUT = 4.0  # the group the hung-rank scenario runs on
 HANG_AT_CALL = 3  # rank 1 hangs in this compute call (after writing its first shard)
 SLOW_STEP = 0.8  # seconds per compute call of the slow rank: 8 steps take longer than HANG_TIMEOUT
-LOCKSTEP_DEFAULT = write_module.LOCKSTEP_SYNC_EVERY
+LOCKSTEP_DEFAULT = loops_module.LOCKSTEP_SYNC_EVERY
+PRODUCER = "speccache.testing.synthetic"
+FAULTS = "speccache.testing.faults"
 
 
 # ---------------------------------------------------------------------------
@@ -87,6 +95,13 @@ def _one_thread() -> Iterator[None]:
     finally:
         torch.set_num_threads(before)
 
+
+def _barrier(comm: Any) -> None:
+    """Wait for every rank of ``comm``'s default group (a :class:`Comm` has no barrier: producers never need one)."""
+    if comm.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
 
 
 def _assert_same_cache(out: Path, ref: Path) -> None:
@@ -162,18 +177,18 @@ class _Hooks:
         self.violations: list[str] = []
 
     @contextmanager
-    def installed(self) -> Iterator["_Hooks"]:
+    def installed(self) -> Iterator[_Hooks]:
         originals = [
-            (cache_writer_module, "write_manifest", cache_writer_module.write_manifest),
-            (write_module.NativeShardWriter, "__call__", write_module.NativeShardWriter.__call__),
+            (manifest_module, "write_manifest_file", manifest_module.write_manifest_file),
+            (NativeShardWriter, "__call__", NativeShardWriter.__call__),
             (synthetic, "make_compute", synthetic.make_compute),
             (synthetic.SyntheticSamples, "__getitem__", synthetic.SyntheticSamples.__getitem__),
         ]
         hooks = self
 
-        def write_manifest(cache_dir: str, manifest: dict[str, Any], version: int) -> str:
-            hooks.manifest_writes.append(bool(manifest.get("complete")))
-            return originals[0][2](cache_dir, manifest, version)
+        def write_manifest_file(cache_dir: str, body: dict[str, Any]) -> str:
+            hooks.manifest_writes.append(bool(body.get("complete")))
+            return originals[0][2](cache_dir, body)
 
         def shard_call(writer: Any, output_dir: str, index: int, samples: Any) -> str:
             try:
@@ -206,7 +221,7 @@ class _Hooks:
             hooks.reads += 1
             return originals[3][2](dataset, index)
 
-        for (owner, name, _), new in zip(originals, (write_manifest, shard_call, make_compute, getitem)):
+        for (owner, name, _), new in zip(originals, (write_manifest_file, shard_call, make_compute, getitem)):
             setattr(owner, name, new)
         try:
             yield self
@@ -221,7 +236,9 @@ def _check_run(comm: Any, hooks: _Hooks, what: str, expected_steps: int) -> None
     writes = [r[0] for r in rows]
     assert writes[0] == [False, True] and all(w == [] for w in writes[1:]), f"{what}: manifest writes per rank {writes}"
     calls = [r[1] for r in rows]
-    assert calls == [expected_steps] * comm.world_size, f"{what}: compute calls per rank {calls}, expected {expected_steps}"
+    assert calls == [expected_steps] * comm.world_size, (
+        f"{what}: compute calls per rank {calls}, expected {expected_steps}"
+    )
     assert [r[3] for r in rows] == [[]] * comm.world_size, f"{what}: {[r[3] for r in rows]}"
     if what.endswith("empty"):
         assert [r[2] for r in rows] == [0] * comm.world_size, f"{what}: an empty dataset was read"
@@ -231,7 +248,7 @@ def _same_error_everywhere(comm: Any, fn: Any, kind: type[BaseException]) -> Non
     try:
         fn()
         error = None
-    except Exception as exc:  # noqa: BLE001 - compared below
+    except Exception as exc:
         error = (type(exc).__name__, str(exc))
     errors = comm.all_gather(error)
     assert errors[0] is not None and errors[0][0] == kind.__name__, errors
@@ -258,70 +275,87 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
             out = base / f"fresh-{name}"
             with _Hooks(comm).installed() as hooks:
                 manifest = synthetic.write_synthetic_cache(str(out), **cfg, **COMMON, comm=comm)
-            assert manifest["complete"] and manifest["num_samples"] == cfg["num_samples"]
+            assert manifest.complete and manifest.num_samples == cfg["num_samples"]
             _check_run(comm, hooks, f"world {world} fresh {name}", _expected_steps(cfg, world, set(range(10_000))))
         # resume: each rank keeps its block's valid shards, recomputes the rest, in lockstep
         cfg = CONFIGS["uneven"]
         with _Hooks(comm).installed() as hooks:
             synthetic.write_synthetic_cache(str(base / "resume-uneven"), **cfg, **COMMON, resume=True, comm=comm)
         _check_run(comm, hooks, f"world {world} resume", _expected_steps(cfg, world, RESUME_MISSING | RESUME_CORRUPT))
-        # errors in begin: the same exception on every rank, nothing changed, no lock left
+        # errors while writing() prepares the directory: the same exception on every rank, nothing changed, no lock left
         done = base / "fresh-uneven"
         before = file_tree(done)
-        comm.barrier()  # rank 0 takes the lock (a file) as soon as it starts the next run
+        _barrier(comm)  # rank 0 takes the lock (a file) as soon as it starts the next run
         _same_error_everywhere(
-            comm, lambda: synthetic.write_synthetic_cache(str(done), **cfg, **{**COMMON, "seed": 4}, resume=True, comm=comm),
+            comm,
+            lambda: synthetic.write_synthetic_cache(str(done), **cfg, **{**COMMON, "seed": 4}, resume=True, comm=comm),
             ConfigMismatchError,
         )
-        _same_error_everywhere(comm, lambda: synthetic.write_synthetic_cache(str(done), **cfg, **COMMON, comm=comm), CacheExistsError)
-        comm.barrier()
+        _same_error_everywhere(
+            comm, lambda: synthetic.write_synthetic_cache(str(done), **cfg, **COMMON, comm=comm), CacheExistsError
+        )
+        _barrier(comm)
         assert file_tree(done) == before
 
-        def deny() -> None:
+        def deny() -> dict[str, torch.Tensor]:
             raise PermissionError(f"[Errno 13] Permission denied: {str(base / 'side.bin')!r}")
 
         side = base / "side-fails"
         writer = CacheWriter(
-            str(side), cache_name="synthetic", schema=synthetic.synthetic_schema(8), shard_size=4, num_samples=8,
-            config={}, comm=comm,
+            str(side),
+            cache_name="synthetic",
+            schema=synthetic.synthetic_schema(8),
+            shard_size=4,
+            num_samples=8,
+            config={},
+            comm=comm,
         )
-        _same_error_everywhere(comm, lambda: writer.begin(write_side_files=deny), PermissionError)
-        comm.barrier()
+
+        def write_with_failing_side_file() -> None:
+            with writer.writing(side_files=(SideFile("side.bin", deny),)):
+                raise AssertionError("the run started although rank 0 could not write its side file")
+
+        _same_error_everywhere(comm, write_with_failing_side_file, PermissionError)
+        _barrier(comm)
         assert not (side / LOCK_NAME).exists() and not (side / "manifest.json").exists()
         if world > 1:
-            # the last rank writes to "another filesystem": it cannot see the manifest rank 0 wrote
-            saved = cache_writer_module.SHARED_FS_WAIT_S, cache_writer_module.manifest_path
+            # the last rank writes to "another filesystem": it cannot see the lock file rank 0 holds
+            saved = cache_writer_module.SHARED_FS_WAIT_S, cache_writer_module.lock_path
             cache_writer_module.SHARED_FS_WAIT_S = 0.5
             if rank == world - 1:
-                cache_writer_module.manifest_path = lambda d: os.path.join(d + "-node-local", "manifest.json")
+                cache_writer_module.lock_path = lambda d: os.path.join(d + "-node-local", LOCK_NAME)
             try:
                 _same_error_everywhere(
-                    comm, lambda: synthetic.write_synthetic_cache(str(base / "not-shared"), **cfg, **COMMON, comm=comm),
+                    comm,
+                    lambda: synthetic.write_synthetic_cache(str(base / "not-shared"), **cfg, **COMMON, comm=comm),
                     DistributedError,
                 )
             finally:
-                cache_writer_module.SHARED_FS_WAIT_S, cache_writer_module.manifest_path = saved
-            if rank == 0:
-                assert not (base / "not-shared" / LOCK_NAME).exists()
-                assert not [p for p in (base / "not-shared").iterdir() if p.name.startswith("shard-")]
+                cache_writer_module.SHARED_FS_WAIT_S, cache_writer_module.lock_path = saved
+            if rank == 0:  # refused before rank 0 wrote anything: no lock, no manifest, no shard
+                assert sorted(p.name for p in (base / "not-shared").iterdir()) == [], list(
+                    (base / "not-shared").iterdir()
+                )
         if world != 2:
-            comm.barrier()
+            _barrier(comm)
             shutdown(comm)
             return
         # two scenarios on a group with a short timeout
         import torch.distributed as dist
 
         hang_comm = TorchComm(
-            torch.device("cpu"), timeout_s=HANG_TIMEOUT, group=dist.new_group(timeout=_seconds(HANG_TIMEOUT), backend="gloo")
+            torch.device("cpu"),
+            timeout_s=HANG_TIMEOUT,
+            group=dist.new_group(timeout=_seconds(HANG_TIMEOUT), backend="gloo"),
         )
         # a slow rank: the fast one pads with cheap dummy steps, then would wait at the seal for the slow one's
         # remaining work (longer than this group's timeout) but for the periodic lockstep meetings
-        write_module.LOCKSTEP_SYNC_EVERY = 1
+        loops_module.LOCKSTEP_SYNC_EVERY = 1
         try:
             with _Hooks(hang_comm, collective=False, slow=SLOW_STEP if rank == 1 else 0.0).installed():
                 synthetic.write_synthetic_cache(str(base / "slow-uneven"), **cfg, **COMMON, comm=hang_comm)
         finally:
-            write_module.LOCKSTEP_SYNC_EVERY = LOCKSTEP_DEFAULT
+            loops_module.LOCKSTEP_SYNC_EVERY = LOCKSTEP_DEFAULT
         # a hung rank: the other fails within the group's timeout
         flag = base / "hang-released"
         out = base / "hang-uneven"
@@ -409,19 +443,27 @@ def _cli_args(cfg: dict[str, int]) -> list[str]:
     ]  # fmt: skip
 
 
-def test_killed_rank_fails_the_others_then_torchrun_resumes_on_fewer_ranks(references: dict[str, Path], tmp_path: Path) -> None:
-    """Three ranks; rank 1 is SIGKILLed in the middle of its second shard write."""
+def test_killed_rank_fails_the_others_then_torchrun_resumes_on_fewer_ranks(
+    references: dict[str, Path], tmp_path: Path
+) -> None:
+    """Three ranks; rank 1 is SIGKILLed in the middle of its second shard write.
+
+    Rank 1 runs ``SPECCACHE_FAULT=mid_shard_write:2 python -m speccache.testing.faults speccache.testing.synthetic ...``,
+    the others the plain ``python -m speccache.testing.synthetic ...``.
+    """
     out = tmp_path / "cache"
     timeout = 60
-    cmd = [sys.executable, "-m", "speccache.synthetic", str(out), *_cli_args(CONFIGS["uneven"]), "--timeout", str(timeout)]
+    args = [str(out), *_cli_args(CONFIGS["uneven"]), "--timeout", str(timeout)]
     port = _free_port()
     procs, logs = [], []
     for rank in range(3):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
         env.pop("SPECCACHE_FAULT", None)
+        cmd = [sys.executable, "-m", PRODUCER, *args]
         if rank == 1:
             env["SPECCACHE_FAULT"] = "mid_shard_write:2"
+            cmd = [sys.executable, "-m", FAULTS, PRODUCER, *args]
         logs.append(open(tmp_path / f"rank{rank}.log", "w+"))
         procs.append(subprocess.Popen(cmd, env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
     ended: dict[int, float] = {}
@@ -458,7 +500,7 @@ def test_killed_rank_fails_the_others_then_torchrun_resumes_on_fewer_ranks(refer
     assert load_manifest_json(manifest_path(str(out)))["complete"] is False
     # resume under torchrun with two ranks (a different split: 4 + 3 shards)
     resume = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "speccache.synthetic",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", PRODUCER,
          str(out), *_cli_args(CONFIGS["uneven"]), "--timeout", str(timeout), "--resume"],
         env={k: v for k, v in os.environ.items() if k != "SPECCACHE_FAULT"}, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
@@ -481,14 +523,18 @@ def test_rebuilt_errors_keep_type_and_message() -> None:
 
 def test_collective_failure_message_names_rank_timeout_and_resume() -> None:
     lost = collective_failure_message(1, 4, "all_gather", 30.0, RuntimeError("Connection reset by peer"))
-    assert "rank 1 of 4" in lost and "--timeout of 30 s" in lost and "--resume" in lost and "lost the connection" in lost
+    assert (
+        "rank 1 of 4" in lost and "--timeout of 30 s" in lost and "--resume" in lost and "lost the connection" in lost
+    )
     hung = collective_failure_message(0, 2, "barrier", 5.0, RuntimeError("Timed out waiting 5000ms for recv"))
     assert "did not reach" in hung and "--timeout of 5 s" in hung
 
 
 def test_join_fails_within_timeout_when_no_peer_answers(monkeypatch: pytest.MonkeyPatch) -> None:
     port = _free_port()  # nobody listens there
-    for key, value in dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+    for key, value in dict(
+        RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    ).items():
         monkeypatch.setenv(key, value)
     started = time.monotonic()
     with pytest.raises(DistributedError, match=r"rank 1 of 2: could not join the gloo process group .* within 1 s"):

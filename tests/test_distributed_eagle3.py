@@ -11,8 +11,23 @@ import pytest
 
 from speccache.demo import build_tiny_model_dir, demo_data_path
 
-ARGS = ["--limit", "12", "--max-length", "64", "--batch-size", "2", "--shard-size", "2", "--draft-vocab-size", "300",
-        "--dtype", "fp32", "--device", "cpu", "--quiet"]
+ARGS = [
+    "--limit",
+    "12",
+    "--max-length",
+    "64",
+    "--batch-size",
+    "2",
+    "--shard-size",
+    "2",
+    "--draft-vocab-size",
+    "300",
+    "--dtype",
+    "fp32",
+    "--device",
+    "cpu",
+    "--quiet",
+]
 
 
 def _env() -> dict[str, str]:
@@ -35,8 +50,21 @@ def test_torchrun_eagle3_equals_one_process_cache(model_dir: str, tmp_path: Path
     single, multi = tmp_path / "single", tmp_path / "multi"
     base = [sys.executable, "-m", "speccache", "precompute", "--model", model_dir, "--data", data]
     subprocess.run([*base, "--out", str(single), *ARGS], check=True, env=_env(), timeout=300)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3", "-m", "speccache"]
-    subprocess.run([*launcher, "precompute", "--model", model_dir, "--data", data, "--out", str(multi), *ARGS, "--timeout", "120"],
-                   check=True, env=_env(), timeout=300)
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "3",
+        "-m",
+        "speccache",
+    ]
+    subprocess.run(
+        [*launcher, "precompute", "--model", model_dir, "--data", data, "--out", str(multi), *ARGS, "--timeout", "120"],
+        check=True,
+        env=_env(),
+        timeout=300,
+    )
     # 12 samples in shards of 2 over 3 ranks; the draft vocabulary (side file) is counted per rank and summed.
     assert _files(multi) == _files(single)

@@ -18,7 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from speccache.cli import main
 from speccache.data import load_samples
 from speccache.demo import build_tiny_model_dir, demo_data_path
-from speccache.eagle3 import (
+from speccache.errors import CacheFormatError
+from speccache.format import ShardFile, load_manifest_json, manifest_path
+from speccache.methods.eagle3 import (
     SIDE_FILE,
     Eagle3CacheDataset,
     Supervision,
@@ -29,9 +31,8 @@ from speccache.eagle3 import (
     select_draft_vocab,
     vocab_mapping,
 )
-from speccache.format import ShardFile, load_manifest_json, manifest_path
 from speccache.read import CacheDataset
-from speccache.sampler import LocalityShuffleSampler
+from speccache.read.sampler import LocalityShuffleSampler
 
 LIMIT = 8
 MAX_LENGTH = 128  # the first 8 demo rows are 81..240 tokens long: some get truncated, batches of 4 are right-padded
@@ -46,12 +47,26 @@ RUNS = {
     "qwen3_bs1": ("qwen3", ["--batch-size", "1", "--shard-size", "4", "--dtype", "fp32", "--aux-layers", "0,2,6"]),
     "mistral_bs1": ("mistral", ["--batch-size", "1", "--shard-size", "4", "--dtype", "fp32", "--aux-layers", "2,4,7"]),
     "llama_bf16_bs1": ("llama", ["--batch-size", "1", "--shard-size", "8", "--dtype", "bf16"]),
-    "llama_topk_bs1": ("llama", ["--batch-size", "1", "--shard-size", "4", "--dtype", "fp32", "--supervision", "topk:8"]),
+    "llama_topk_bs1": (
+        "llama",
+        ["--batch-size", "1", "--shard-size", "4", "--dtype", "fp32", "--supervision", "topk:8"],
+    ),
     # batch size 4 (right-padded batches)
     "llama_bs4": ("llama", ["--batch-size", "4", "--shard-size", "4", "--dtype", "fp32"]),
     "llama_probs_bs4": (
         "llama",
-        ["--batch-size", "4", "--shard-size", "4", "--dtype", "fp32", "--supervision", "probs", "--draft-vocab-size", "300"],
+        [
+            "--batch-size",
+            "4",
+            "--shard-size",
+            "4",
+            "--dtype",
+            "fp32",
+            "--supervision",
+            "probs",
+            "--draft-vocab-size",
+            "300",
+        ],
     ),
     "llama_bf16_bs4": ("llama", ["--batch-size", "4", "--shard-size", "8", "--dtype", "bf16"]),
 }
@@ -346,6 +361,33 @@ def test_topk_supervision_full_vocab(runs, live):
         assert torch.equal(got["position_mask"], got["loss_mask"])
 
 
+@pytest.mark.parametrize(
+    "keys",
+    [["aux_hidden_states"], ["aux_hidden_states", "target_probs"], ["loss_mask"], ["input_ids", "in_draft"]],
+)
+def test_key_subsets_give_the_same_position_mask(runs, keys):
+    """position_mask needs loss_mask and in_draft: they are read whether asked for or not, then left out."""
+    out = runs("llama_probs_bs4")
+    full, subset = Eagle3CacheDataset(out), Eagle3CacheDataset(out, keys=keys)
+    assert set(subset[0]) == (set(keys) - {"in_draft"}) | {"position_mask"}
+    for i in range(len(full)):
+        assert torch.equal(subset[i]["position_mask"], full[i]["position_mask"]), i
+    batch = next(iter(build_eagle3_dataloader(out, 4, shuffle=False, keys=keys)))
+    assert torch.equal(
+        batch["position_mask"], next(iter(build_eagle3_dataloader(out, 4, shuffle=False)))["position_mask"]
+    )
+
+
+def test_topk_key_subsets_read_both_parts_or_refuse_by_name(runs):
+    out = runs("llama_topk_bs1")
+    full = Eagle3CacheDataset(out)
+    for keys in (["target_probs"], ["topk_probs"], ["topk_ids", "aux_hidden_states"]):
+        ds = Eagle3CacheDataset(out, keys=keys)
+        assert torch.equal(ds[2]["target_probs"], full[2]["target_probs"]) and "topk_ids" not in ds[2]
+    with pytest.raises(CacheFormatError, match=r"\['last_hidden_state'\] are not in this EAGLE-3 cache; it offers"):
+        Eagle3CacheDataset(out, keys=["last_hidden_state"])
+
+
 def test_select_draft_vocab_order_and_ties():
     counts = torch.tensor([0, 5, 3, 5, 0, 3, 1, 0, 0, 0])
     # specials first, then count desc with ties by ascending id
@@ -436,7 +478,11 @@ def test_dataloader_pads_and_covers_every_sample_once(runs, num_workers):
         epochs.append(seen)
     assert epochs[0] != list(range(LIMIT)) or epochs[1] != list(range(LIMIT))  # shuffled
     ordered = build_eagle3_dataloader(out, batch_size=5, shuffle=False, num_workers=num_workers)
-    got = [i for batch in ordered for i in (by_ids[tuple(r[: int(n)].tolist())] for r, n in zip(batch["input_ids"], batch["lengths"]))]
+    got = [
+        i
+        for batch in ordered
+        for i in (by_ids[tuple(r[: int(n)].tolist())] for r, n in zip(batch["input_ids"], batch["lengths"]))
+    ]
     assert got == list(range(LIMIT))
 
 

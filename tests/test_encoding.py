@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speccache.encoding import ENCODINGS, get_encoding, part_name
-from speccache.encoding.fp8 import FP8_MAX, fp8_error
-from speccache.encoding.zbf16 import entropy_bound_bytes, zbf16_plane_stats
+from speccache.format.encoding import ENCODINGS, get_encoding, part_name
+from speccache.format.encoding.fp8 import FP8_MAX, fp8_error
+from speccache.format.encoding.zbf16 import entropy_bound_bytes, zbf16_plane_stats
 
 # bf16 bit patterns a lossless codec must keep: NaNs with assorted payloads and
 # signs, infinities, signed zeros, subnormals, extreme finite values.

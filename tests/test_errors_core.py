@@ -10,17 +10,20 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
 
-from speccache.cache_writer import CacheWriter
 from speccache.errors import (
     CacheCorruptError,
     CacheExistsError,
     CacheFormatError,
     CacheLockedError,
     ConfigMismatchError,
+    ShardWriteError,
 )
 from speccache.format import (
     FORMAT_VERSION,
@@ -30,7 +33,7 @@ from speccache.format import (
     shard_path,
     write_safetensors,
 )
-from speccache.lock import LOCK_NAME, CacheLock
+from speccache.format.lock import LOCK_NAME, CacheLock
 from speccache.offline_cache import (
     CachedTensorDataset,
     _ShardAccumulator,
@@ -38,8 +41,8 @@ from speccache.offline_cache import (
     write_tensor_shard,
 )
 from speccache.read import CacheDataset
-from speccache.synthetic import synthetic_schema, write_synthetic_cache
-from speccache.write import NativeShardWriter
+from speccache.testing.synthetic import synthetic_schema, write_synthetic_cache
+from speccache.write import CacheWriter, NativeShardWriter
 
 LOG = logging.getLogger("test_errors_core")
 SHARD_SIZE = 4
@@ -75,7 +78,11 @@ def writer_for(cache_dir: str, **overrides) -> CacheWriter:
     """A writer with the synthetic producer's settings (those of ``pristine``), with overrides."""
     config = {"method": "synthetic", "seed": 0, "hidden": 8, "min_len": 1, "max_len": 6, "batch_size": 4}
     kwargs = dict(
-        cache_name="synthetic", schema=synthetic_schema(8), shard_size=SHARD_SIZE, num_samples=NUM_SAMPLES, config=config
+        cache_name="synthetic",
+        schema=synthetic_schema(8),
+        shard_size=SHARD_SIZE,
+        num_samples=NUM_SAMPLES,
+        config=config,
     )
     kwargs.update(overrides)
     return CacheWriter(cache_dir, **kwargs)
@@ -143,7 +150,7 @@ def test_wrong_version_manifest(cache):
         CacheDataset(cache)
     message = str(info.value)
     assert f"format_version={FORMAT_VERSION + 1}" in message and f"expected {FORMAT_VERSION}" in message
-    assert "Regenerate the cache with the current precompute_synthetic" in message and cache in message
+    assert "Regenerate the cache with this speccache" in message and cache in message
     assert snapshot(cache) == before
 
 
@@ -199,7 +206,10 @@ def test_reading_keys_the_cache_does_not_hold(cache):
         (lambda c: os.unlink(shard_path(c, 1)), "missing [1]"),
         (lambda c: os.unlink(shard_path(c, 2)), "missing [2]"),
         (lambda c: shutil.copy(shard_path(c, 0), shard_path(c, 3)), "unexpected [3]"),
-        (lambda c: (os.unlink(shard_path(c, 0)), shutil.copy(shard_path(c, 1), shard_path(c, 7))), "missing [0], unexpected [7]"),
+        (
+            lambda c: (os.unlink(shard_path(c, 0)), shutil.copy(shard_path(c, 1), shard_path(c, 7))),
+            "missing [0], unexpected [7]",
+        ),
     ],
 )
 def test_missing_extra_or_non_contiguous_shards(cache, damage, mentions):
@@ -300,7 +310,7 @@ def test_writing_a_shard_with_missing_keys(tmp_path):
         write_tensor_shard(str(tmp_path), 0, {"a": torch.zeros(2)}, ("a", "b"), "EAGLE-3")
     assert "['b']" in str(info.value)
     writer = NativeShardWriter(synthetic_schema(8))
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ShardWriteError) as info:  # what the overlapped writer raises too
         writer(str(tmp_path), 0, {"input_ids": torch.zeros(3, dtype=torch.int32), "__lengths__": torch.tensor([3])})
     message = str(info.value)
     assert "missing keys" in message and "hidden" in message and "loss_mask" in message and "sample_id" in message
@@ -311,7 +321,7 @@ def test_writing_a_shard_with_a_wrong_dtype_or_shape(tmp_path):
     writer = NativeShardWriter({"h": KeySpec("h", torch.bfloat16, (4,))})
     before = snapshot(tmp_path)
     for bad in (torch.zeros(2, 4), torch.zeros(2, 5, dtype=torch.bfloat16)):
-        with pytest.raises(ValueError, match="key 'h'"):
+        with pytest.raises(ShardWriteError, match="key 'h'"):
             writer(str(tmp_path), 0, {"h": bad})
     assert snapshot(tmp_path) == before
 
@@ -339,7 +349,9 @@ def test_shard_size_below_one_in_a_manifest(cache):
     assert snapshot(cache) == before
 
 
-@pytest.mark.parametrize("world_size,rank,name", [(0, 0, "world_size"), (-2, 0, "world_size"), (2, 2, "rank"), (2, -1, "rank")])
+@pytest.mark.parametrize(
+    "world_size,rank,name", [(0, 0, "world_size"), (-2, 0, "world_size"), (2, 2, "rank"), (2, -1, "rank")]
+)
 def test_bad_world_size_or_rank(tmp_path, world_size, rank, name):
     class Comm:
         def __init__(self):
@@ -357,20 +369,32 @@ def test_bad_world_size_or_rank(tmp_path, world_size, rank, name):
 # the writer lock
 
 
+class _Interrupted(Exception):
+    """Ends a run inside ``CacheWriter.writing`` before its seal."""
+
+
+@contextmanager
+def begun(writer: CacheWriter) -> Iterator[Any]:
+    """Enter ``writer.writing()`` and leave it unsealed, as an interrupted run does (lock released)."""
+    try:
+        with writer.writing(overlap=False) as run:
+            yield run
+            raise _Interrupted
+    except _Interrupted:
+        pass
+
+
 def test_a_second_writer_on_the_same_directory(tmp_path):
     cache = str(tmp_path / "c")
-    first = writer_for(cache)
-    first.begin()
-    try:
+    with begun(writer_for(cache)):
         before = snapshot(cache)
         with pytest.raises(CacheLockedError) as info:
-            writer_for(cache).begin()
+            with begun(writer_for(cache)):
+                pass
         message = str(info.value)
         assert str(os.getpid()) in message and socket.gethostname() in message
         assert os.path.join(cache, LOCK_NAME) in message and "--resume" in message
         assert snapshot(cache) == before
-    finally:
-        first.close()
     assert not os.path.exists(os.path.join(cache, LOCK_NAME))
 
 
@@ -385,11 +409,9 @@ def test_a_stale_lock_from_a_dead_process_on_this_host_is_recovered(tmp_path):
     os.makedirs(cache)
     with open(os.path.join(cache, LOCK_NAME), "w") as f:
         json.dump({"host": socket.gethostname(), "pid": _dead_pid(), "since": 0}, f)
-    writer = writer_for(cache)
-    writer.begin()
-    holder = CacheLock(cache).holder()
-    assert holder is not None and holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
-    writer.close()
+    with begun(writer_for(cache)):
+        holder = CacheLock(cache).holder()
+        assert holder is not None and holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
     assert not os.path.exists(os.path.join(cache, LOCK_NAME))
 
 
@@ -400,9 +422,12 @@ def test_a_lock_held_from_another_host_is_refused_with_the_way_out(tmp_path):
         json.dump({"host": "elsewhere.example", "pid": 4242, "since": 0}, f)
     before = snapshot(cache)
     with pytest.raises(CacheLockedError) as info:
-        writer_for(cache).begin()
+        with begun(writer_for(cache)):
+            pass
     message = str(info.value)
-    assert "4242" in message and "elsewhere.example" in message and f"delete {os.path.join(cache, LOCK_NAME)}" in message
+    assert (
+        "4242" in message and "elsewhere.example" in message and f"delete {os.path.join(cache, LOCK_NAME)}" in message
+    )
     assert snapshot(cache) == before
 
 
@@ -417,12 +442,26 @@ def test_resume_with_a_changed_config_names_every_differing_field(cache):
         resume=True,
         shard_size=5,
         schema=synthetic_schema(16),
-        config={"method": "synthetic", "seed": 1, "hidden": 8, "min_len": 1, "max_len": 6, "batch_size": 4, "new": True},
+        config={
+            "method": "synthetic",
+            "seed": 1,
+            "hidden": 8,
+            "min_len": 1,
+            "max_len": 6,
+            "batch_size": 4,
+            "new": True,
+        },
     )
     with pytest.raises(ConfigMismatchError) as info:
-        writer.begin()
+        with begun(writer):
+            pass
     message = str(info.value)
-    for field in ("shard_size: cache has 4, this run has 5", "config.seed: cache has 0, this run has 1", "config.new", "keys.hidden"):
+    for field in (
+        "shard_size: cache has 4, this run has 5",
+        "config.seed: cache has 0, this run has 1",
+        "config.new",
+        "keys.hidden",
+    ):
         assert field in message, field
     for same in ("num_samples", "cache_name", "config.hidden", "config.method"):
         assert same not in message, same
@@ -433,18 +472,17 @@ def test_resume_with_a_changed_config_names_every_differing_field(cache):
 def test_resume_with_the_same_config_given_as_tuples_is_accepted(tmp_path):
     cache = str(tmp_path / "c")
     config = {"layers": (1, 2, 3), "nested": {"ids": (4, 5)}}
-    first = writer_for(cache, config=config)
-    first.begin()
-    first.close()
-    second = writer_for(cache, config=config, resume=True)
-    assert second.begin() == [0, 1, 2]
-    second.close()
+    with begun(writer_for(cache, config=config)):
+        pass
+    with begun(writer_for(cache, config=config, resume=True)) as run:
+        assert run.shards == [0, 1, 2]
 
 
 def test_without_resume_an_existing_cache_is_refused(cache):
     before = snapshot(cache)
     with pytest.raises(CacheExistsError) as info:
-        writer_for(cache).begin()
+        with begun(writer_for(cache)):
+            pass
     assert cache in str(info.value) and "--resume" in str(info.value) and "nothing was changed" in str(info.value)
     assert snapshot(cache) == before
 
@@ -453,9 +491,11 @@ def test_without_resume_a_directory_holding_only_shards_is_refused(cache):
     os.unlink(manifest_path(cache))
     before = snapshot(cache)
     with pytest.raises(CacheExistsError, match="--resume"):
-        writer_for(cache).begin()
+        with begun(writer_for(cache)):
+            pass
     with pytest.raises(CacheExistsError, match="holds shards but no manifest.json"):
-        writer_for(cache, resume=True).begin()
+        with begun(writer_for(cache, resume=True)):
+            pass
     assert snapshot(cache) == before
 
 
@@ -464,7 +504,8 @@ def test_an_output_path_that_is_a_file_is_refused(tmp_path):
     path.write_bytes(b"not a directory")
     before = snapshot(tmp_path)
     with pytest.raises(CacheExistsError) as info:
-        writer_for(str(path)).begin()
+        with begun(writer_for(str(path))):
+            pass
     assert str(path) in str(info.value) and "choose a directory" in str(info.value)
     assert snapshot(tmp_path) == before
 
@@ -478,16 +519,14 @@ def test_stale_temp_files_are_removed_when_a_writer_starts(cache):
     for name in stale:
         with open(os.path.join(cache, name), "wb") as f:
             f.write(b"partial")
-    writer = writer_for(cache, resume=True)
-    assert writer.begin() == []  # every shard passes its checksums
-    assert not set(stale) & set(os.listdir(cache))
-    writer.seal()
+    with writer_for(cache, resume=True).writing() as run:
+        assert run.shards == []  # every shard passes its checksums
+        assert not set(stale) & set(os.listdir(cache))
     read_everything(cache, verify=True)
 
 
 def test_resume_recomputes_a_damaged_shard(cache):
     path = shard_path(cache, 1)
     os.truncate(path, os.path.getsize(path) - 1)
-    writer = writer_for(cache, resume=True)
-    assert writer.begin() == [1]  # shards 0 and 2 pass their checksums and are kept
-    writer.close()
+    with begun(writer_for(cache, resume=True)) as run:
+        assert run.shards == [1]  # shards 0 and 2 pass their checksums and are kept

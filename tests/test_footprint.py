@@ -12,13 +12,14 @@ import torch
 
 from speccache.cli import main
 from speccache.demo import demo_data_path, ensure_demo_target
-from speccache.eagle3 import Eagle3CacheDataset, build_eagle3_dataloader
-from speccache.encoding.fp8 import fp8_error
-from speccache.estimate import ZBF16_HI_FRACTION, estimate_cache, estimate_shards
-from speccache.format import LENGTHS_KEY, KeySpec, load_manifest_json, manifest_path
-from speccache.precompute import PrecomputeConfig, summary_line
-from speccache.verify import inspect_cache, verify_cache
-from speccache.write import NativeShardWriter, encoding_error_summary
+from speccache.format import LENGTHS_KEY, KeySpec, Manifest, load_manifest_json, manifest_path
+from speccache.format.encoding.fp8 import fp8_error
+from speccache.format.manifest import encoding_error_summary
+from speccache.methods.eagle3 import Eagle3CacheDataset, build_eagle3_dataloader
+from speccache.precompute.estimate import ZBF16_HI_FRACTION, estimate_cache, estimate_shards
+from speccache.precompute.run import PrecomputeConfig, summary_line
+from speccache.read.verify import inspect_cache, verify_cache
+from speccache.write import NativeShardWriter
 
 FLOAT_KEYS = ("aux_hidden_states", "last_hidden_state")
 # Small enough for a loaded 2-core machine; two shards of 8 plus a partial one, a draft vocabulary smaller
@@ -138,11 +139,13 @@ def test_fp8_error_in_manifest_matches_the_decoded_cache(caches):
         assert error[key]["max"] == pytest.approx(want["max_rel_to_row_amax"], rel=1e-6)
         assert 0.005 < error[key]["rms"] < 0.04 and error[key]["max"] < 2**-4 + 2**-8
     assert all(set(row["encoding_error"]) == set(FLOAT_KEYS) for row in manifest["shards"])
-    line = summary_line(manifest, 1.0)
+    line = summary_line(Manifest.read(caches["fp8"]), 1.0)
     assert "aux_hidden_states error: relative RMS" in line and "last_hidden_state error" in line
     for lossless in ("raw", "zbf16"):
         m = load_manifest_json(manifest_path(caches[lossless]))
-        assert "encoding_error" not in m["stats"] and "encoding_error" not in summary_line(m, 1.0)
+        assert "encoding_error" not in m["stats"] and "encoding_error" not in summary_line(
+            Manifest.read(caches[lossless]), 1.0
+        )
 
 
 def test_inspect_reports_fp8_error(caches, capsys):
@@ -161,7 +164,10 @@ def test_fp8_error_survives_resume(caches, target, tmp_path):
     copy = str(tmp_path / "fp8")
     shutil.copytree(caches["fp8"], copy)
     os.unlink(os.path.join(copy, "shard-000001.safetensors"))
-    assert main(["precompute", *args_for(target, ENCODES["fp8"]), "--out", copy, "--device", "cpu", "--quiet", "--resume"]) == 0
+    assert (
+        main(["precompute", *args_for(target, ENCODES["fp8"]), "--out", copy, "--device", "cpu", "--quiet", "--resume"])
+        == 0
+    )
     before = load_manifest_json(manifest_path(caches["fp8"]))
     after = load_manifest_json(manifest_path(copy))
     assert after["stats"]["encoding_error"] == before["stats"]["encoding_error"]
@@ -180,8 +186,8 @@ def test_error_sums_gathered_across_writers_equal_one_pass(tmp_path, dtype, scal
     for rank, shard in enumerate(shards):  # one writer per rank, then all_gather (which pickles)
         writer = NativeShardWriter(schema)
         writer(str(tmp_path), rank, shard)
-        rows += pickle.loads(pickle.dumps([r.to_json() for r in writer.records.values()]))
-    from speccache.encoding import get_encoding
+        rows += pickle.loads(pickle.dumps(list(writer.records.values())))
+    from speccache.format.encoding import get_encoding
 
     decoded = []
     for shard, ls in zip(shards, lengths):
@@ -207,7 +213,7 @@ def test_error_sums_gathered_across_writers_equal_one_pass(tmp_path, dtype, scal
     ],
 )
 def test_bad_encode_fails_before_loading_the_model(target, tmp_path, monkeypatch, capsys, encode, extra, message):
-    import speccache.precompute as precompute
+    import speccache.precompute.run as precompute
 
     def no_model(*_args, **_kwargs):
         raise AssertionError("the model was loaded")

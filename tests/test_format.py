@@ -19,8 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
-import speccache.read as read_module
-from speccache.cache_writer import CacheWriter
+import speccache.read.dataset as read_module
 from speccache.errors import CacheCorruptError, CacheIncompleteError
 from speccache.format import (
     FORMAT_VERSION,
@@ -30,12 +29,13 @@ from speccache.format import (
     ShardFile,
     file_checksum,
     manifest_path,
-    schema_to_json,
     shard_path,
     write_safetensors,
 )
+from speccache.format.schema import schema_to_json
+from speccache.offline_cache import write_cache_shards
 from speccache.read import CacheDataset, PackCollator, PadCollator
-from speccache.write import write_cache_shards
+from speccache.write import CacheWriter
 
 LOG = logging.getLogger("test_format")
 
@@ -113,17 +113,29 @@ def write_native_cache(
     config: dict | None = None,
 ) -> dict:
     writer = CacheWriter(
-        cache_dir, cache_name="test", schema=schema, shard_size=shard_size, num_samples=len(samples), config=config or {"k": 1}
+        cache_dir,
+        cache_name="test",
+        schema=schema,
+        shard_size=shard_size,
+        num_samples=len(samples),
+        config=config or {"k": 1},
     )
-    todo = writer.begin()
-    assert todo == list(range(-(-len(samples) // shard_size)))
     batches = [batch_of(samples[i : i + batch_size], schema) for i in range(0, len(samples), batch_size)]
     ragged = [k for k, s in schema.items() if s.ragged]
-    write_cache_shards(batches, cache_dir, shard_size, 0, lambda b: b, writer.shard_writer, LOG, ragged_keys=ragged)
-    if not seal:
-        writer.close()
+    try:
+        with writer.writing(overlap=False) as run:
+            assert run.shards == list(range(-(-len(samples) // shard_size)))
+            write_cache_shards(batches, cache_dir, shard_size, 0, lambda b: b, run.write_shard, LOG, ragged_keys=ragged)
+            run.stats = {"note": "extra fields are kept"}
+            if not seal:
+                raise _LeaveUnsealed
+    except _LeaveUnsealed:
         return json.loads(open(manifest_path(cache_dir)).read())
-    return writer.seal(extra={"stats": {"note": "extra fields are kept"}})
+    return writer.manifest.to_json()
+
+
+class _LeaveUnsealed(Exception):
+    """Raised inside ``CacheWriter.writing`` to stop a run after its shards, before the seal."""
 
 
 def every_dtype_schema(width: int = 3) -> dict[str, KeySpec]:
@@ -167,7 +179,14 @@ def test_round_trip_of_every_dtype_fixed_and_ragged_with_zero_length_samples(mix
 
 
 def test_round_trip_of_a_fixed_only_cache_has_no_offsets(tmp_path):
-    schema = {s.name: s for s in (KeySpec("a", torch.bfloat16, (2, 3)), KeySpec("b", torch.bool, ()), KeySpec("c", torch.float8_e5m2, (4,)))}
+    schema = {
+        s.name: s
+        for s in (
+            KeySpec("a", torch.bfloat16, (2, 3)),
+            KeySpec("b", torch.bool, ()),
+            KeySpec("c", torch.float8_e5m2, (4,)),
+        )
+    }
     samples = make_samples(schema, [0] * 5, seed=2)
     write_native_cache(str(tmp_path), schema, samples, shard_size=2, batch_size=4)
     assert OFFSETS_KEY not in load_file(shard_path(str(tmp_path), 0))
@@ -205,9 +224,14 @@ def test_reading_a_subset_of_keys(mixed_cache):
                 assert_same(got[key], samples[i][key])
 
 
-@pytest.mark.parametrize("encoding,parts", [("raw", {"h"}), ("fp8", {"h", "h.scale"}), ("zbf16", {"h.lo", "h.hi", "h.hi_offsets"})])
+@pytest.mark.parametrize(
+    "encoding,parts", [("raw", {"h"}), ("fp8", {"h", "h.scale"}), ("zbf16", {"h.lo", "h.hi", "h.hi_offsets"})]
+)
 def test_shard_parts_are_named_key_or_key_dot_suffix_per_encoding(tmp_path, encoding, parts):
-    schema = {"h": KeySpec("h", torch.bfloat16, (4,), ragged=True, encoding=encoding), "n": KeySpec("n", torch.int64, ())}
+    schema = {
+        "h": KeySpec("h", torch.bfloat16, (4,), ragged=True, encoding=encoding),
+        "n": KeySpec("n", torch.int64, ()),
+    }
     g = torch.Generator().manual_seed(0)
     samples = [{"h": torch.randn(k, 4, generator=g).to(torch.bfloat16), "n": torch.tensor(k)} for k in (2, 0, 3)]
     write_native_cache(str(tmp_path), schema, samples, shard_size=3)
@@ -260,7 +284,10 @@ def test_tensors_written_by_safetensors_save_file_are_readable_by_shard_file(tmp
 
 def test_shard_file_reads_an_unaligned_safetensors_file(tmp_path):
     # Valid per the safetensors spec: nothing requires a tensor to start at a multiple of its element size.
-    header = {"a": {"dtype": "I8", "shape": [3], "data_offsets": [0, 3]}, "b": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]}}
+    header = {
+        "a": {"dtype": "I8", "shape": [3], "data_offsets": [0, 3]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]},
+    }
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)
     path = tmp_path / "u.safetensors"
@@ -320,7 +347,12 @@ def test_manifest_records_schema_counts_and_a_shard_table_with_whole_file_checks
     assert on_disk == manifest
     assert on_disk["format_version"] == FORMAT_VERSION and on_disk["cache_name"] == "test"
     assert on_disk["keys"] == schema_to_json(schema)
-    assert on_disk["keys"]["ragged_f8e4m3"] == {"dtype": "float8_e4m3fn", "shape": [3], "ragged": True, "encoding": "raw"}
+    assert on_disk["keys"]["ragged_f8e4m3"] == {
+        "dtype": "float8_e4m3fn",
+        "shape": [3],
+        "ragged": True,
+        "encoding": "raw",
+    }
     assert on_disk["shard_size"] == 2 and on_disk["num_samples"] == len(samples)
     assert on_disk["config"] == {"k": 1} and on_disk["complete"] is True
     assert on_disk["producer"]["name"] == "speccache"
@@ -402,7 +434,11 @@ def test_a_truncated_shard_raises_cache_corrupt_error_even_without_verify(mixed_
 def _ragged_samples():
     return [
         {"ids": torch.tensor([1, 2, 3]), "h": torch.ones(3, 2, dtype=torch.bfloat16), "sid": torch.tensor(0)},
-        {"ids": torch.tensor([], dtype=torch.int64), "h": torch.ones(0, 2, dtype=torch.bfloat16), "sid": torch.tensor(1)},
+        {
+            "ids": torch.tensor([], dtype=torch.int64),
+            "h": torch.ones(0, 2, dtype=torch.bfloat16),
+            "sid": torch.tensor(1),
+        },
         {"ids": torch.tensor([4, 5]), "h": torch.full((2, 2), 2.0, dtype=torch.bfloat16), "sid": torch.tensor(2)},
     ]
 
@@ -515,9 +551,9 @@ def test_open_shards_are_bounded_by_max_open_shards(mixed_cache, monkeypatch):
     opened: list[int] = []
     real = read_module.NativeShard
 
-    def counting(path, schema, index, expected, verify=False):
+    def counting(path, schema, index, expected, **kwargs):
         opened.append(index)
-        return real(path, schema, index, expected, verify=verify)
+        return real(path, schema, index, expected, **kwargs)
 
     monkeypatch.setattr(read_module, "NativeShard", counting)
     ds = CacheDataset(cache_dir, max_open_shards=2)
@@ -580,7 +616,7 @@ def test_start_up_on_ten_thousand_shards_lists_the_directory_once_and_opens_no_s
 def test_format_doc_names_every_manifest_field_metadata_key_and_dtype(mixed_cache):
     from pathlib import Path
 
-    from speccache.format import _DTYPES
+    from speccache.format.schema import _DTYPES
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
     cache_dir, _, _, manifest = mixed_cache

@@ -1,7 +1,8 @@
 """A full disk: a write that fails for lack of space stops cleanly and a resume completes the cache.
 
-The disk is simulated in-process: ``open`` in :mod:`speccache.format` (the module
-that writes every shard and manifest) is replaced by one whose files share a byte
+The disk is simulated in-process: ``open`` in the modules of :mod:`speccache.format`
+that write every shard, side file and manifest (:mod:`speccache.format.safetensors_file`
+and :mod:`speccache.format.manifest`) is replaced by one whose files share a byte
 budget; the write that crosses it writes what fits, then fails with ``ENOSPC``, as
 a real full filesystem does. (The real-kernel variant, a file-size limit in a
 separate producer process failing with ``EFBIG``, is in tests/test_crash.py.)
@@ -18,17 +19,21 @@ import builtins
 import errno
 import json
 import os
+
 import pytest
 
 import speccache.format as fmt
+import speccache.format.manifest as manifest_module
+import speccache.format.safetensors_file as safetensors_module
 from cachecmp import file_tree
 from speccache.errors import CacheExistsError, ShardWriteError
-from speccache.lock import LOCK_NAME
-from speccache.synthetic import write_synthetic_cache
-from speccache.verify import verify_cache
+from speccache.format.lock import LOCK_NAME
+from speccache.read.verify import verify_cache
+from speccache.testing.synthetic import write_synthetic_cache
 
 ARGS = dict(num_samples=40, shard_size=4, hidden=32, max_len=32)
-
+WRITING_MODULES = (manifest_module, safetensors_module)
+"""The modules whose ``open`` writes every file of a cache but the lock."""
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +44,7 @@ def reference(tmp_path_factory):
 
 
 class _Disk:
-    """A byte budget shared by every file speccache.format opens for writing."""
+    """A byte budget shared by every file :data:`WRITING_MODULES` open for writing."""
 
     def __init__(self, free: int) -> None:
         self.free = free
@@ -79,6 +84,12 @@ class _Disk:
         return wrapper
 
 
+def _fill_disk(monkeypatch, disk: _Disk) -> None:
+    """From now on (until ``monkeypatch.undo()``), cache files are written to ``disk``."""
+    for module in WRITING_MODULES:
+        monkeypatch.setattr(module, "open", disk.open, raising=False)
+
+
 def _check_clean(path: str, reference: dict[str, bytes]) -> None:
     for name, data in file_tree(path).items():
         assert fmt.TMP_MARK not in name, f"temporary file {name} left behind"
@@ -87,8 +98,8 @@ def _check_clean(path: str, reference: dict[str, bytes]) -> None:
             assert data == reference[name], f"{name} under its final name is not the whole, correct shard"
 
 
-def _begin_manifest_bytes(reference) -> int:
-    """Size of the unsealed manifest ``begin`` writes."""
+def _unsealed_manifest_bytes(reference) -> int:
+    """Size of the unsealed manifest ``CacheWriter.writing`` writes before any shard."""
     manifest = json.loads(reference["manifest.json"])
     for key in ("shards", "num_tokens", "total_bytes"):
         manifest.pop(key)
@@ -104,10 +115,10 @@ def _shard_bytes(reference) -> list[int]:
 @pytest.mark.parametrize("where", ["first shard", "middle shard", "last shard"])
 def test_disk_full_during_a_shard_write(tmp_path, monkeypatch, reference, overlap, where):
     sizes = _shard_bytes(reference)
-    manifest = _begin_manifest_bytes(reference)
+    manifest = _unsealed_manifest_bytes(reference)
     failing = {"first shard": 0, "middle shard": len(sizes) // 2, "last shard": len(sizes) - 1}[where]
     disk = _Disk(manifest + sum(sizes[:failing]) + sizes[failing] // 2)
-    monkeypatch.setattr(fmt, "open", disk.open, raising=False)
+    _fill_disk(monkeypatch, disk)
     out = str(tmp_path / "cache")
     with pytest.raises(ShardWriteError) as info:
         write_synthetic_cache(out, overlap=overlap, **ARGS)
@@ -116,7 +127,9 @@ def test_disk_full_during_a_shard_write(tmp_path, monkeypatch, reference, overla
     assert "--resume" in message, message
     assert disk.failures == 1
     _check_clean(out, reference)
-    assert sorted(n for n in os.listdir(out) if fmt.SHARD_RE.match(n)) == [f"shard-{i:06d}.safetensors" for i in range(failing)]
+    assert sorted(n for n in os.listdir(out) if fmt.SHARD_RE.match(n)) == [
+        f"shard-{i:06d}.safetensors" for i in range(failing)
+    ]
     monkeypatch.undo()  # space returns
     with pytest.raises(CacheExistsError):
         write_synthetic_cache(out, overlap=overlap, **ARGS)
@@ -128,9 +141,9 @@ def test_disk_full_during_a_shard_write(tmp_path, monkeypatch, reference, overla
 @pytest.mark.parametrize("when", ["begin", "seal"])
 def test_disk_full_during_a_manifest_write(tmp_path, monkeypatch, reference, when):
     sizes = _shard_bytes(reference)
-    begin = _begin_manifest_bytes(reference)
+    begin = _unsealed_manifest_bytes(reference)
     disk = _Disk(begin // 2 if when == "begin" else begin + sum(sizes) + 500)
-    monkeypatch.setattr(fmt, "open", disk.open, raising=False)
+    _fill_disk(monkeypatch, disk)
     out = str(tmp_path / "cache")
     with pytest.raises(OSError) as info:
         write_synthetic_cache(out, overlap=False, **ARGS)
@@ -147,11 +160,11 @@ def test_repeated_disk_full_then_resume(tmp_path, monkeypatch, reference):
     """Space runs out again and again (a shared scratch filesystem); every resume makes progress, the end is identical."""
     out = str(tmp_path / "cache")
     sizes = _shard_bytes(reference)
-    budget = _begin_manifest_bytes(reference) + 3 * max(sizes)
+    budget = _unsealed_manifest_bytes(reference) + 3 * max(sizes)
     resume = False
     for attempt in range(len(sizes) + 2):
         disk = _Disk(budget)
-        monkeypatch.setattr(fmt, "open", disk.open, raising=False)
+        _fill_disk(monkeypatch, disk)
         try:
             write_synthetic_cache(out, overlap=bool(attempt % 2), resume=resume, **ARGS)
         except (ShardWriteError, OSError):
@@ -176,7 +189,7 @@ def test_failed_write_leaves_an_existing_shard_untouched(tmp_path, monkeypatch, 
         f.seek(200)
         f.write(b"\x00\xff")
     damaged = open(victim, "rb").read()
-    monkeypatch.setattr(fmt, "open", _Disk(_begin_manifest_bytes(reference) + 1000).open, raising=False)
+    _fill_disk(monkeypatch, _Disk(_unsealed_manifest_bytes(reference) + 1000))
     with pytest.raises((ShardWriteError, OSError)):
         write_synthetic_cache(out, overlap=False, resume=True, **ARGS)
     assert open(victim, "rb").read() == damaged

@@ -20,27 +20,28 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from cachecmp import all_samples, file_tree, same_samples
 import crashlib
+from cachecmp import all_samples, file_tree, same_samples
 from speccache import cli
 from speccache.errors import DataError, SpeccacheError
 from speccache.format import MANIFEST_NAME, ShardFile, shard_path
 from speccache.read import CacheDataset
-from speccache.synthetic import write_synthetic_cache
-from speccache.verify import inspect_cache, verify_cache
+from speccache.read.verify import inspect_cache, verify_cache
+from speccache.testing.synthetic import write_synthetic_cache
 
 ARGS = dict(num_samples=10, shard_size=4, hidden=8, max_len=8)
 DOCUMENTED = (SpeccacheError, FileNotFoundError)
 EXAMPLES = 400 if crashlib.SOAK else 40
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 
 json_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12)
 json_values = st.recursive(
-    json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
 )
-
-
-
 
 
 class Pristine:
@@ -124,12 +125,23 @@ def test_fuzzed_manifest_fields(pristine, edits):
     for path, delete, value in edits:
         target = manifest
         for key in path[:-1]:
-            if isinstance(target, dict) and key in target or isinstance(target, list) and isinstance(key, int) and key < len(target):
+            if (
+                isinstance(target, dict)
+                and key in target
+                or isinstance(target, list)
+                and isinstance(key, int)
+                and key < len(target)
+            ):
                 target = target[key]
             else:
                 target = None
                 break
-        if isinstance(target, dict) or isinstance(target, list) and isinstance(path[-1], int) and path[-1] < len(target):
+        if (
+            isinstance(target, dict)
+            or isinstance(target, list)
+            and isinstance(path[-1], int)
+            and path[-1] < len(target)
+        ):
             if delete and isinstance(target, dict):
                 target.pop(path[-1], None)
             else:
@@ -160,7 +172,9 @@ def test_fuzzed_manifest_bytes(pristine, data):
 
 
 @settings(max_examples=EXAMPLES // 3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(edits=st.lists(st.tuples(st.sampled_from(MANIFEST_PATHS[:13]), st.booleans(), json_values), min_size=1, max_size=2))
+@given(
+    edits=st.lists(st.tuples(st.sampled_from(MANIFEST_PATHS[:13]), st.booleans(), json_values), min_size=1, max_size=2)
+)
 @example(edits=[(("config",), False, {"seed": 1})])
 @example(edits=[(("complete",), False, "yes")])
 def test_resuming_a_fuzzed_manifest_refuses_without_changes_or_completes_correctly(pristine, edits):
@@ -314,7 +328,11 @@ def test_fuzzed_chat_rows_raise_only_data_errors(tokenizer, row, max_length):
         assert all(isinstance(i, int) for i in sample.input_ids) and set(sample.loss_mask) <= {0, 1}
 
 
-@settings(max_examples=EXAMPLES // 2, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=EXAMPLES // 2,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(lines=st.lists(st.one_of(rows.map(json.dumps), st.binary(max_size=40).map(lambda b: b.decode("latin-1"))), max_size=5),
        suffix=st.sampled_from([".jsonl", ".json"]), skip=st.booleans())  # fmt: skip
 def test_fuzzed_data_files_raise_only_data_errors(tokenizer, tmp_path, lines, suffix, skip):

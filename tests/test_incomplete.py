@@ -6,19 +6,17 @@ import os
 
 import pytest
 
-import speccache.cache_writer as cache_writer
-import speccache.synthetic as synthetic
+import speccache.format.manifest as manifest_module
+import speccache.testing.synthetic as synthetic
 from cachecmp import all_samples, same_samples
 from speccache import cli
 from speccache.errors import CacheIncompleteError
 from speccache.format import shard_path
 from speccache.read import CacheDataset
-from speccache.synthetic import write_synthetic_cache
-from speccache.verify import inspect_cache, verify_cache
+from speccache.read.verify import inspect_cache, verify_cache
+from speccache.testing.synthetic import write_synthetic_cache
 
 ARGS = dict(num_samples=30, shard_size=4, batch_size=4, hidden=16, max_len=24)  # 8 shards, the last one of 2
-
-
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +29,14 @@ def reference(tmp_path_factory):
 def _interrupted(path: str, monkeypatch, batches: int) -> None:
     """Run the producer and stop it with an error after ``batches`` batches (one shard each), or at the seal."""
     if batches >= 8:  # every shard written: fail the sealing manifest write instead
-        real = cache_writer.write_manifest
+        real = manifest_module.write_manifest_file
 
-        def write_manifest(cache_dir, manifest, version):
-            if manifest.get("complete"):
+        def write_manifest_file(cache_dir, body):
+            if body.get("complete"):
                 raise RuntimeError("the job was preempted")
-            return real(cache_dir, manifest, version)
+            return real(cache_dir, body)
 
-        monkeypatch.setattr(cache_writer, "write_manifest", write_manifest)
+        monkeypatch.setattr(manifest_module, "write_manifest_file", write_manifest_file)
         with pytest.raises(RuntimeError, match="preempted"):
             write_synthetic_cache(path, overlap=False, **ARGS)
         monkeypatch.undo()

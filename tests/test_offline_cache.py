@@ -29,7 +29,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 import speccache
 import speccache.offline_cache as oc
-from speccache.format import SHARD_META_CHECKSUMS, tensor_checksum
+from speccache.format import tensor_checksum
+from speccache.format.shard import SHARD_META_CHECKSUMS
 
 SEED_PATH = Path(os.environ.get("SPECCACHE_SEED", "/tmp/nemo/nemo_automodel/components/datasets/llm/offline_cache.py"))
 needs_seed = pytest.mark.skipif(not SEED_PATH.is_file(), reason=f"no copy of the seed module at {SEED_PATH}")
@@ -105,7 +106,9 @@ def _seed_ast_namespace() -> dict[str, list[tuple[str, object]] | None]:
         positional = a.posonlyargs + a.args
         pos_defaults = [REQUIRED] * (len(positional) - len(a.defaults)) + [ast.literal_eval(d) for d in a.defaults]
         kw_defaults = [REQUIRED if d is None else ast.literal_eval(d) for d in a.kw_defaults]
-        items = list(zip([p.arg for p in positional], pos_defaults)) + list(zip([p.arg for p in a.kwonlyargs], kw_defaults))
+        items = list(zip([p.arg for p in positional], pos_defaults)) + list(
+            zip([p.arg for p in a.kwonlyargs], kw_defaults)
+        )
         return items[1:] if skip_self else items
 
     for node in tree.body:
@@ -172,13 +175,17 @@ KEYS = ("input_ids", "hidden", "loss_mask")
 VERSION = 3
 
 
-def write_seed_layout_cache(module, cache_dir: str, samples: dict[str, torch.Tensor], shard_size: int, name: str = "EAGLE-3") -> None:
+def write_seed_layout_cache(
+    module, cache_dir: str, samples: dict[str, torch.Tensor], shard_size: int, name: str = "EAGLE-3"
+) -> None:
     """A cache written only with the seed's public functions (of ``module``)."""
     n = samples["input_ids"].shape[0]
     for index, start in enumerate(range(0, n, shard_size)):
         part = {k: v[start : start + shard_size] for k, v in samples.items()}
         module.write_tensor_shard(cache_dir=cache_dir, shard_index=index, samples=part, keys=KEYS, cache_name=name)
-    module.write_manifest(cache_dir, {"num_samples": n, "shard_size": shard_size, "mask_generation_prompt": True}, VERSION)
+    module.write_manifest(
+        cache_dir, {"num_samples": n, "shard_size": shard_size, "mask_generation_prompt": True}, VERSION
+    )
 
 
 def assert_samples_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -240,14 +247,28 @@ def test_every_seed_name_exists_in_offline_cache():
 
 def test_seed_import_names_exist_in_offline_cache():
     # The seed's imports are part of its namespace; code doing `from ...offline_cache import DataLoader` keeps working.
-    for name in ("json", "logging", "os", "re", "torch", "DataLoader", "Dataset", "Subset", "DistributedSampler", "Any", "Callable"):
+    for name in (
+        "json",
+        "logging",
+        "os",
+        "re",
+        "torch",
+        "DataLoader",
+        "Dataset",
+        "Subset",
+        "DistributedSampler",
+        "Any",
+        "Callable",
+    ):
         assert hasattr(oc, name), name
 
 
-def test_public_seed_names_are_importable_from_speccache():
+def test_seed_names_live_in_offline_cache_not_in_the_native_api():
+    """``speccache`` exports the native API only; the compatibility names are ``speccache.offline_cache``'s."""
+    assert "CachedTensorDataset" not in speccache.__all__ and not hasattr(speccache, "write_cache_shards")
+    assert oc is sys.modules["speccache.compat.offline_cache"]
     for name in SEED_SIGNATURES:
-        if not name.startswith("_"):
-            assert getattr(speccache, name) is getattr(oc, name), name
+        assert hasattr(oc, name), name
 
 
 def test_offline_cache_all_lists_every_seed_name():
@@ -273,7 +294,9 @@ def test_every_seed_function_accepts_keywords_and_the_seed_positional_order(name
         else:
             assert param.default == default, pname
     # Anything speccache adds is optional, so no seed call breaks.
-    extra = [p for p in sig.parameters.values() if p.name not in names and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    extra = [
+        p for p in sig.parameters.values() if p.name not in names and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
     assert all(p.default is not inspect.Parameter.empty for p in extra), extra
 
 
@@ -285,7 +308,10 @@ def test_manifest_name_is_manifest_json():
     assert oc.MANIFEST_NAME == "manifest.json"
 
 
-@pytest.mark.parametrize("name,index", [("shard-000000.safetensors", 0), ("shard-000042.safetensors", 42), ("shard-999999.safetensors", 999999)])
+@pytest.mark.parametrize(
+    "name,index",
+    [("shard-000000.safetensors", 0), ("shard-000042.safetensors", 42), ("shard-999999.safetensors", 999999)],
+)
 def test_shard_re_matches_six_digits_and_captures_the_index(name, index):
     match = oc.SHARD_RE.match(name)
     assert match is not None and int(match.group(1)) == index and len(match.group(1)) == 6
@@ -485,14 +511,21 @@ def test_validate_contiguous_shards_returns_the_indices(tmp_path):
     for i in range(3):
         (tmp_path / f"shard-{i:06d}.safetensors").write_bytes(b"")
     assert oc.validate_contiguous_shards(str(tmp_path), "EAGLE-3", 5, 2) == [0, 1, 2]
-    assert oc.validate_contiguous_shards(cache_dir=str(tmp_path), cache_name="x", num_samples=6, shard_size=2) == [0, 1, 2]
+    assert oc.validate_contiguous_shards(cache_dir=str(tmp_path), cache_name="x", num_samples=6, shard_size=2) == [
+        0,
+        1,
+        2,
+    ]
 
 
 def test_validate_contiguous_shards_of_an_empty_cache_is_empty(tmp_path):
     assert oc.validate_contiguous_shards(str(tmp_path), "x", 0, 4) == []
 
 
-@pytest.mark.parametrize("present,samples,mentions", [([0, 2], 6, "missing [1]"), ([0, 1, 2, 3], 6, "unexpected [3]"), ([0], 6, "missing [1, 2]")])
+@pytest.mark.parametrize(
+    "present,samples,mentions",
+    [([0, 2], 6, "missing [1]"), ([0, 1, 2, 3], 6, "unexpected [3]"), ([0], 6, "missing [1, 2]")],
+)
 def test_validate_contiguous_shards_names_missing_and_extra_shards(tmp_path, present, samples, mentions):
     for i in present:
         (tmp_path / f"shard-{i:06d}.safetensors").write_bytes(b"")
@@ -513,7 +546,11 @@ def test_load_safetensors_returns_save_file_and_safe_open():
 
 def test_write_tensor_shard_writes_exactly_the_keys_contiguously(tmp_path):
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
-    samples = {"a": base.t(), "b": torch.tensor([[True], [False], [True], [True], [False], [False]]), "extra": torch.zeros(6)}
+    samples = {
+        "a": base.t(),
+        "b": torch.tensor([[True], [False], [True], [True], [False], [False]]),
+        "extra": torch.zeros(6),
+    }
     assert not samples["a"].is_contiguous()
     path = oc.write_tensor_shard(str(tmp_path), 2, samples, ("a", "b"), "EAGLE-3")
     assert path == oc.shard_path(str(tmp_path), 2)
@@ -586,17 +623,15 @@ def test_cached_tensor_dataset_negative_indices_and_index_error(seed_layout_cach
 
 
 def test_cached_tensor_dataset_reads_lazily(seed_layout_cache, monkeypatch):
-    import speccache.read as read
-
     opened: list[str] = []
-    real = read.ShardFile
+    save_file, safe_open = oc.load_safetensors("EAGLE-3")
 
-    class Counting(real):  # type: ignore[misc, valid-type]
-        def __init__(self, path: str) -> None:
-            opened.append(os.path.basename(path))
-            super().__init__(path)
+    def counting_safe_open(path, framework):
+        opened.append(os.path.basename(path))
+        return safe_open(path, framework=framework)
 
-    monkeypatch.setattr(read, "ShardFile", Counting)
+    # the dataset opens shards through the module's own load_safetensors, so patching it reaches the reads
+    monkeypatch.setattr(oc, "load_safetensors", lambda name: (save_file, counting_safe_open))
     cache_dir, _ = seed_layout_cache
     ds = oc.CachedTensorDataset(cache_dir=cache_dir, cache_name="EAGLE-3", format_version=VERSION, disk_keys=KEYS)
     assert opened == []
@@ -619,7 +654,7 @@ def test_cached_tensor_dataset_refuses_another_version(seed_layout_cache):
 
 
 def test_cached_tensor_dataset_reads_a_native_speccache_cache(tmp_path):
-    from speccache.synthetic import write_synthetic_cache
+    from speccache.testing.synthetic import write_synthetic_cache
 
     write_synthetic_cache(str(tmp_path / "c"), num_samples=5, shard_size=2, hidden=4, overlap=False)
     ds = oc.CachedTensorDataset(str(tmp_path / "c"), "synthetic", speccache.FORMAT_VERSION, ("sample_id", "hidden"))
@@ -633,7 +668,9 @@ def test_speccache_reads_a_cache_written_by_the_seed_module_exactly_as_the_seed(
     samples = fixed_samples(8, seed=1)
     write_seed_layout_cache(seed, str(tmp_path), samples, shard_size=3)
     ours = oc.CachedTensorDataset(cache_dir=str(tmp_path), cache_name="EAGLE-3", format_version=VERSION, disk_keys=KEYS)
-    theirs = seed.CachedTensorDataset(cache_dir=str(tmp_path), cache_name="EAGLE-3", format_version=VERSION, disk_keys=KEYS)
+    theirs = seed.CachedTensorDataset(
+        cache_dir=str(tmp_path), cache_name="EAGLE-3", format_version=VERSION, disk_keys=KEYS
+    )
     assert len(ours) == len(theirs) == 8
     assert ours.manifest == theirs.manifest
     for i in range(-8, 8):
@@ -647,7 +684,9 @@ def test_speccache_reads_a_cache_written_by_the_seed_module_exactly_as_the_seed(
 def test_the_seed_reads_a_seed_layout_cache_written_by_speccache(seed, tmp_path):
     samples = fixed_samples(8, seed=2)
     write_seed_layout_cache(oc, str(tmp_path), samples, shard_size=3)
-    theirs = seed.CachedTensorDataset(cache_dir=str(tmp_path), cache_name="EAGLE-3", format_version=VERSION, disk_keys=KEYS)
+    theirs = seed.CachedTensorDataset(
+        cache_dir=str(tmp_path), cache_name="EAGLE-3", format_version=VERSION, disk_keys=KEYS
+    )
     assert len(theirs) == 8
     for i in range(8):
         assert_samples_equal(theirs[i], {k: samples[k][i] for k in KEYS})
@@ -659,9 +698,13 @@ def test_the_seed_and_speccache_write_the_same_tensors_and_manifest(seed, tmp_pa
     write_seed_layout_cache(seed, str(tmp_path / "seed"), samples, shard_size=2)
     write_seed_layout_cache(oc, str(tmp_path / "ours"), samples, shard_size=2)
     assert sorted(os.listdir(tmp_path / "seed")) == sorted(os.listdir(tmp_path / "ours"))
-    assert json.loads((tmp_path / "seed" / "manifest.json").read_text()) == json.loads((tmp_path / "ours" / "manifest.json").read_text())
+    assert json.loads((tmp_path / "seed" / "manifest.json").read_text()) == json.loads(
+        (tmp_path / "ours" / "manifest.json").read_text()
+    )
     for i in range(3):
-        assert_samples_equal(load_file(oc.shard_path(str(tmp_path / "seed"), i)), load_file(oc.shard_path(str(tmp_path / "ours"), i)))
+        assert_samples_equal(
+            load_file(oc.shard_path(str(tmp_path / "seed"), i)), load_file(oc.shard_path(str(tmp_path / "ours"), i))
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -700,7 +743,11 @@ def test_build_cached_dataloader_uses_a_distributed_sampler_when_distributed(mon
     monkeypatch.setattr(oc, "DistributedSampler", TwoRanks)
     ds = RecordingDataset(7)
     loader = oc.build_cached_dataloader(
-        dataset=ds, batch_size=3, shuffle=shuffle, collate_fn=lambda items: oc.collate_cached(items, ("input_ids",)), distributed=True
+        dataset=ds,
+        batch_size=3,
+        shuffle=shuffle,
+        collate_fn=lambda items: oc.collate_cached(items, ("input_ids",)),
+        distributed=True,
     )
     assert isinstance(loader.sampler, DistributedSampler)
     assert loader.sampler.shuffle is shuffle and loader.drop_last is False
@@ -767,7 +814,13 @@ def test_dataloader_from_sample_keeps_the_worker_and_batching_settings():
         return items
 
     loader = DataLoader(
-        ds, batch_size=3, collate_fn=collate, num_workers=2, persistent_workers=True, multiprocessing_context="spawn", pin_memory=True
+        ds,
+        batch_size=3,
+        collate_fn=collate,
+        num_workers=2,
+        persistent_workers=True,
+        multiprocessing_context="spawn",
+        pin_memory=True,
     )
     resumed = oc.dataloader_from_sample(loader, 4)
     assert resumed.batch_size == 3 and resumed.collate_fn is collate
@@ -830,7 +883,9 @@ def test_write_cache_shards_writes_readable_sequential_shards(tmp_path):
 
 def test_write_cache_shards_resumes_from_a_start_index(tmp_path):
     rec = Recorder()
-    loader = oc.dataloader_from_sample(DataLoader(RecordingDataset(10), batch_size=4), oc.resume_start_sample({0, 1}, 3))
+    loader = oc.dataloader_from_sample(
+        DataLoader(RecordingDataset(10), batch_size=4), oc.resume_start_sample({0, 1}, 3)
+    )
     oc.write_cache_shards(loader, str(tmp_path), 3, 2, compute, rec, LOG)
     assert rec.order == [2, 3]
     assert [rec.shards[i]["input_ids"][:, 0].tolist() for i in (2, 3)] == [[6, 7, 8], [9]]
@@ -915,7 +970,9 @@ def test_write_cache_shards_distributed_on_an_empty_dataset_reads_and_writes_not
 @pytest.mark.parametrize("n,batch_size,shard_size", [(10, 2, 3), (7, 3, 2), (6, 4, 6), (1, 1, 5)])
 def test_write_cache_shards_distributed_with_world_one_equals_write_cache_shards(n, batch_size, shard_size):
     single = Recorder()
-    oc.write_cache_shards(DataLoader(RecordingDataset(n), batch_size=batch_size), "out", shard_size, 0, compute, single, LOG)
+    oc.write_cache_shards(
+        DataLoader(RecordingDataset(n), batch_size=batch_size), "out", shard_size, 0, compute, single, LOG
+    )
     rec, calls = _run_distributed(RecordingDataset(n), 1, 0, None, batch_size, shard_size)
     assert rec.order == single.order
     for i in rec.order:
@@ -949,7 +1006,9 @@ def test_write_cache_shards_distributed_matches_the_seed(seed, world):
     n, shard_size, batch_size = 11, 3, 2
     steps = _max_steps(n, shard_size, batch_size, world)
     for rank in range(world):
-        ours, our_calls = _run_distributed(RecordingDataset(n), world, rank, lambda local: steps, batch_size, shard_size)
+        ours, our_calls = _run_distributed(
+            RecordingDataset(n), world, rank, lambda local: steps, batch_size, shard_size
+        )
         theirs = Recorder()
         seed_calls = []
         seed.write_cache_shards_distributed(
@@ -972,7 +1031,12 @@ class TopKDataset(oc.CachedTensorDataset):
 
     def __init__(self, cache_dir: str) -> None:
         self.width = 6  # set before super().__init__, as seed subclasses do
-        super().__init__(cache_dir=cache_dir, cache_name="EAGLE-3", format_version=VERSION, disk_keys=("input_ids", "values", "indices"))
+        super().__init__(
+            cache_dir=cache_dir,
+            cache_name="EAGLE-3",
+            format_version=VERSION,
+            disk_keys=("input_ids", "values", "indices"),
+        )
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if index < 0:
@@ -995,7 +1059,9 @@ def topk_cache(tmp_path):
         "indices": torch.tensor([[i % 6, (i + 1) % 6] for i in range(n)], dtype=torch.int32),
     }
     for index, start in enumerate(range(0, n, 2)):
-        oc.write_tensor_shard(str(tmp_path), index, {k: v[start : start + 2] for k, v in samples.items()}, tuple(samples), "EAGLE-3")
+        oc.write_tensor_shard(
+            str(tmp_path), index, {k: v[start : start + 2] for k, v in samples.items()}, tuple(samples), "EAGLE-3"
+        )
     oc.write_manifest(str(tmp_path), {"num_samples": n, "shard_size": 2}, VERSION)
     return str(tmp_path)
 
@@ -1028,7 +1094,11 @@ def test_a_seed_style_subclass_overriding_getitem_is_used_by_batched_dataloaders
     keys = ("input_ids", "probs")
     loader = oc.build_cached_dataloader(ds, 2, False, lambda items: oc.collate_cached(items, keys))
     batches = list(loader)
-    assert [b["probs"].tolist() for b in batches] == [[_expected_probs(0), _expected_probs(1)], [_expected_probs(2), _expected_probs(3)], [_expected_probs(4)]]
+    assert [b["probs"].tolist() for b in batches] == [
+        [_expected_probs(0), _expected_probs(1)],
+        [_expected_probs(2), _expected_probs(3)],
+        [_expected_probs(4)],
+    ]
     assert ds.__getitems__([4, 0])[0]["probs"].tolist() == _expected_probs(4)
 
 
@@ -1066,7 +1136,9 @@ def test_the_seed_eagle3_reader_runs_unchanged_on_speccache(monkeypatch, tmp_pat
     cache = str(tmp_path)
     for index, start in enumerate(range(0, n, 2)):
         module.write_shard(cache, index, {k: v[start : start + 2] for k, v in stored.items()})
-    module.write_manifest(cache, {"num_samples": n, "shard_size": 2, "draft_vocab_size": vocab, "target_probs_topk": topk})
+    module.write_manifest(
+        cache, {"num_samples": n, "shard_size": 2, "draft_vocab_size": vocab, "target_probs_topk": topk}
+    )
     module.write_target_embeddings(cache, torch.randn(4, 3))
 
     ds = module.CachedEagle3Dataset(cache)
@@ -1083,13 +1155,13 @@ def test_the_seed_eagle3_reader_runs_unchanged_on_speccache(monkeypatch, tmp_pat
 
 
 def test_subclasses_overriding_getitem_or_getitems_compose_without_recursion(topk_cache):
-    class Plus(oc.CachedTensorDataset):  # __getitem__ on top of the parent's
+    class Plus(oc.CachedTensorDataset):  # __getitem__ on top of the parent's: batched reads go through it
         def __getitem__(self, index):
             sample = super().__getitem__(index)
             sample["input_ids"] = sample["input_ids"] + 1000
             return sample
 
-    class Finish(oc.CachedTensorDataset):  # __getitems__ on top of the parent's; ds[i] goes through it too
+    class Finish(oc.CachedTensorDataset):  # __getitems__ on top of the parent's: what batched loaders get
         def __getitems__(self, indices):
             return [{**s, "input_ids": s["input_ids"] + 2000} for s in super().__getitems__(indices)]
 
@@ -1103,7 +1175,100 @@ def test_subclasses_overriding_getitem_or_getitems_compose_without_recursion(top
     plus, finish, both = Plus(*args), Finish(*args), Both(*args)
     assert plus[1]["input_ids"].tolist() == [1002, 1003]
     assert [s["input_ids"].tolist() for s in plus.__getitems__([1, 0])] == [[1002, 1003], [1000, 1001]]
-    assert finish[1]["input_ids"].tolist() == [2002, 2003]
+    assert finish[1]["input_ids"].tolist() == [2, 3]  # ds[i] is __getitem__, as in the original
     assert [s["input_ids"].tolist() for s in finish.__getitems__([2])] == [[2004, 2005]]
-    assert both[3]["input_ids"].tolist() == [2006, 2007] and int(both[3]["extra"]) == 3
-    assert [s["input_ids"].tolist() for s in both.__getitems__([3])] == [[2006, 2007]]
+    assert both[3]["input_ids"].tolist() == [6, 7] and int(both[3]["extra"]) == 3
+    assert [(s["input_ids"].tolist(), int(s["extra"])) for s in both.__getitems__([3])] == [([2006, 2007], 3)]
+
+
+# ---------------------------------------------------------------------------
+# patching the module's globals reaches the code, as with the original module
+
+
+def test_patched_safe_import_from_reaches_load_safetensors(monkeypatch):
+    monkeypatch.setattr(oc, "safe_import_from", lambda module, name, *a, **k: (False, None))
+    with pytest.raises(ImportError, match="requires the 'safetensors' package"):
+        oc.load_safetensors("EAGLE-3")
+    with pytest.raises(ImportError):
+        oc.write_tensor_shard("/nonexistent", 0, {"a": torch.zeros(1)}, ("a",), "EAGLE-3")
+
+
+def test_patched_atomic_write_reaches_the_writers(monkeypatch, tmp_path):
+    calls: list[str] = []
+    real = oc.atomic_write
+
+    def recording(path, write_fn):
+        calls.append(os.path.basename(path))
+        return real(path, write_fn)
+
+    monkeypatch.setattr(oc, "atomic_write", recording)
+    oc.write_tensor_shard(str(tmp_path), 0, {"a": torch.zeros(2, 3)}, ("a",), "EAGLE-3")
+    oc.write_manifest(str(tmp_path), {"num_samples": 2, "shard_size": 2}, VERSION)
+    assert calls == ["shard-000000.safetensors", "manifest.json"]
+
+
+def test_patched_read_manifest_and_validate_reach_the_dataset(monkeypatch, seed_layout_cache):
+    cache_dir, _ = seed_layout_cache
+    seen: list[str] = []
+    real_read, real_validate = oc.read_manifest, oc.validate_contiguous_shards
+    monkeypatch.setattr(oc, "read_manifest", lambda *a, **k: (seen.append("read"), real_read(*a, **k))[1])
+    monkeypatch.setattr(
+        oc, "validate_contiguous_shards", lambda *a, **k: (seen.append("validate"), real_validate(*a, **k))[1]
+    )
+    oc.CachedTensorDataset(cache_dir=cache_dir, cache_name="EAGLE-3", format_version=VERSION, disk_keys=KEYS)
+    assert seen == ["read", "validate"]
+
+
+def test_patched_dataloader_and_subset_reach_the_loaders(monkeypatch):
+    made: list[str] = []
+
+    class RecordingLoader(DataLoader):
+        def __init__(self, *args, **kwargs):
+            made.append("loader")
+            super().__init__(*args, **kwargs)
+
+    class RecordingSubset(torch.utils.data.Subset):
+        def __init__(self, *args, **kwargs):
+            made.append("subset")
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(oc, "DataLoader", RecordingLoader)
+    monkeypatch.setattr(oc, "Subset", RecordingSubset)
+    data = [{"input_ids": torch.tensor([i])} for i in range(6)]
+    assert isinstance(oc.build_cached_dataloader(data, 2, False, lambda b: b), RecordingLoader)
+    loader = oc._sequential_subset_loader(DataLoader(data, batch_size=2), 1, 4)
+    assert isinstance(loader, RecordingLoader) and isinstance(loader.dataset, RecordingSubset)
+    assert isinstance(oc.dataloader_from_sample(DataLoader(data, batch_size=2), 2), RecordingLoader)
+    assert made == ["loader", "subset", "loader", "subset", "loader"]
+
+
+def test_patched_shard_accumulator_and_partition_reach_the_loops(monkeypatch, tmp_path):
+    built: list[int] = []
+    real_acc, real_partition = oc._ShardAccumulator, oc.partition_cache_shards
+
+    class Recording(real_acc):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(oc, "_ShardAccumulator", Recording)
+    monkeypatch.setattr(oc, "partition_cache_shards", lambda *a: (built.append(2), real_partition(*a))[1])
+    data = [{"input_ids": torch.tensor([i])} for i in range(4)]
+    loader = DataLoader(data, batch_size=2, collate_fn=lambda b: {"input_ids": torch.cat([x["input_ids"] for x in b])})
+    write = lambda d, i, s: oc.write_tensor_shard(d, i, s, ("input_ids",), "EAGLE-3")  # noqa: E731
+    oc.write_cache_shards(loader, str(tmp_path / "a"), 2, 0, lambda b: b, write, LOG)
+    oc.write_cache_shards_distributed(loader, str(tmp_path / "b"), 2, 1, 0, lambda b: b, write, LOG)
+    assert built == [1, 2, 1]
+
+
+def test_patched_distributed_sampler_reaches_build_cached_dataloader(monkeypatch):
+    made: list[bool] = []
+
+    class OneRank(torch.utils.data.distributed.DistributedSampler):
+        def __init__(self, dataset, shuffle=True):
+            made.append(shuffle)
+            super().__init__(dataset, num_replicas=1, rank=0, shuffle=shuffle)
+
+    monkeypatch.setattr(oc, "DistributedSampler", OneRank)
+    loader = oc.build_cached_dataloader([1, 2, 3], 2, True, lambda b: b, distributed=True)
+    assert isinstance(loader.sampler, OneRank) and made == [True]

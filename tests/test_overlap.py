@@ -13,11 +13,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-import speccache.write as write_module
+import speccache.write.loops as write_module
 from speccache.errors import ShardWriteError
 from speccache.format import LENGTHS_KEY, shard_path
-from speccache.synthetic import write_synthetic_cache
-from speccache.write import OverlappedShardWriter, _ShardAccumulator, compute_shard_runs
+from speccache.testing.synthetic import write_synthetic_cache
+from speccache.write import OverlappedShardWriter, compute_shard_runs
+from speccache.write.loops import ShardAccumulator as _ShardAccumulator
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def test_overlapped_writer_gives_byte_identical_shards(tmp_path, encoding, shard
     files = read_tree(str(tmp_path / "sync"))
     assert len(files) == -(-37 // shard_size)
     assert read_tree(str(tmp_path / "overlapped")) == files
-    assert sync["shards"] == overlapped["shards"]
+    assert sync.shards == overlapped.shards
 
 
 def _shard(n: int, value: float = 1.0) -> dict[str, torch.Tensor]:
@@ -156,7 +157,15 @@ def test_peak_memory_of_overlapped_writes_is_within_depth_plus_one_shards(tmp_pa
     loader = DataLoader(_Indices(n), batch_size=batch_size, collate_fn=lambda items: items[0])
     producer = threading.Thread(
         target=compute_shard_runs,
-        args=(loader, str(tmp_path), shard_size, range(n // shard_size), lambda first: _batch(first, batch_size, 8), tracking, log),
+        args=(
+            loader,
+            str(tmp_path),
+            shard_size,
+            range(n // shard_size),
+            lambda first: _batch(first, batch_size, 8),
+            tracking,
+            log,
+        ),
         kwargs={"ragged_keys": ["hidden"]},
     )
     producer.start()

@@ -18,19 +18,30 @@ import torch
 import xxhash
 from transformers import AutoTokenizer
 
-import speccache.precompute as precompute
+import speccache.precompute.run as precompute
 import speccache.write
 from speccache.cli import main
 from speccache.data import load_samples, tokenizer_hash
 from speccache.demo import build_tiny_model_dir, demo_data_path
-from speccache.eagle3 import SIDE_FILE, Eagle3CacheDataset
 from speccache.format import load_manifest_json, manifest_path
+from speccache.methods.eagle3 import SIDE_FILE, Eagle3CacheDataset
 
 SHAREGPT = demo_data_path("sharegpt")
 OPENAI = demo_data_path("openai")
 # limit 8, max length 64, 4 shards of 2; draft vocab smaller than the 1024-token vocabulary, so the
 # side file carries a real selection.
-BASE_FLAGS = ["--limit", "8", "--max-length", "64", "--batch-size", "2", "--shard-size", "2", "--draft-vocab-size", "300"]
+BASE_FLAGS = [
+    "--limit",
+    "8",
+    "--max-length",
+    "64",
+    "--batch-size",
+    "2",
+    "--shard-size",
+    "2",
+    "--draft-vocab-size",
+    "300",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -189,7 +200,9 @@ def test_model_config_hash_follows_the_config_not_the_path(model_dir, tmp_path):
 def test_resume_with_other_settings_names_every_difference(model_dir, reference, capsys, no_model_load):
     before = snapshot(reference)
     assert SIDE_FILE in before
-    argv = _argv(model_dir, SHAREGPT, str(reference), *BASE_FLAGS, "--resume", "--max-length", "96", "--aux-layers", "0,2,5")
+    argv = _argv(
+        model_dir, SHAREGPT, str(reference), *BASE_FLAGS, "--resume", "--max-length", "96", "--aux-layers", "0,2,5"
+    )
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "config.max_length" in err and "64" in err and "96" in err
@@ -230,7 +243,10 @@ def _demo_row(path: str, index: int) -> dict:
 
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(200))
-PRETOKENIZED = {"input_ids": [1, 5, 100, 101, 102, 7, 6, 200, 201, 202, 7], "loss_mask": [0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1]}
+PRETOKENIZED = {
+    "input_ids": [1, 5, 100, 101, 102, 7, 6, 200, 201, 202, 7],
+    "loss_mask": [0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1],
+}
 
 
 def _mixed_lines() -> list[tuple[str, str | None]]:
@@ -242,7 +258,12 @@ def _mixed_lines() -> list[tuple[str, str | None]]:
         ('{"conversations": [ not json', "bad"),
         (json.dumps(_demo_row(OPENAI, 2)), "usable"),
         (json.dumps({"input_ids": [1, 5, 9, 7], "loss_mask": [0, 0, 0, 0]}), "no_assistant"),
-        (json.dumps({"messages": [{"role": "user", "content": LONG_PROMPT}, {"role": "assistant", "content": "ok"}]}), "no_assistant"),
+        (
+            json.dumps(
+                {"messages": [{"role": "user", "content": LONG_PROMPT}, {"role": "assistant", "content": "ok"}]}
+            ),
+            "no_assistant",
+        ),
         ("", None),  # blank lines are not rows
         (json.dumps(_demo_row(SHAREGPT, 4)), "usable"),
     ]
@@ -293,7 +314,9 @@ def test_mixed_rows_skip_count_and_keep_order(mixed, tokenizer):
 def test_malformed_row_fails_naming_file_and_line(model_dir, mixed, tmp_path, capsys, no_model_load):
     path, _ = mixed
     out = tmp_path / "cache"
-    assert main(_argv(model_dir, str(path), str(out), "--max-length", "64", "--batch-size", "1", "--shard-size", "1")) != 0
+    assert (
+        main(_argv(model_dir, str(path), str(out), "--max-length", "64", "--batch-size", "1", "--shard-size", "1")) != 0
+    )
     err = capsys.readouterr().err
     assert f"{path}:4" in err and "invalid JSON" in err
     assert not out.exists()
@@ -330,21 +353,86 @@ def _bad_cases(model_dir: str, tmp) -> list[tuple[str, list[str], list[str], str
     (tmp / "empty_model").mkdir()
     good = ["--limit", "4", "--max-length", "32"]
     return [
-        ("missing_model", ["--model", str(tmp / "nope" / "model"), "--data", SHAREGPT, *good], ["--model", str(tmp / "nope")], None),
+        (
+            "missing_model",
+            ["--model", str(tmp / "nope" / "model"), "--data", SHAREGPT, *good],
+            ["--model", str(tmp / "nope")],
+            None,
+        ),
         # "models/llama" has the shape of a hub id ("org/name"); relative to the cwd it is a missing directory
-        ("missing_model_relative", ["--model", "models/llama", "--data", SHAREGPT, *good], ["--model models/llama"], None),
-        ("model_without_config", ["--model", str(tmp / "empty_model"), "--data", SHAREGPT, *good], [str(tmp / "empty_model")], None),
-        ("missing_data", ["--model", model_dir, "--data", str(tmp / "missing.jsonl"), *good], ["--data", "missing.jsonl"], None),
-        ("unknown_method", ["--model", model_dir, "--data", SHAREGPT, "--method", "medusa", *good], ["--method", "medusa"], None),
-        ("unknown_supervision", ["--model", model_dir, "--data", SHAREGPT, "--supervision", "logits", *good], ["--supervision", "logits"], None),
-        ("topk_0", ["--model", model_dir, "--data", SHAREGPT, "--supervision", "topk:0", *good], ["--supervision"], None),
-        ("aux_out_of_range", ["--model", model_dir, "--data", SHAREGPT, "--aux-layers", "1,3,8", *good], ["--aux-layers", "[0, 7]"], None),
-        ("aux_duplicated", ["--model", model_dir, "--data", SHAREGPT, "--aux-layers", "1,3,3", *good], ["--aux-layers", "distinct"], None),
+        (
+            "missing_model_relative",
+            ["--model", "models/llama", "--data", SHAREGPT, *good],
+            ["--model models/llama"],
+            None,
+        ),
+        (
+            "model_without_config",
+            ["--model", str(tmp / "empty_model"), "--data", SHAREGPT, *good],
+            [str(tmp / "empty_model")],
+            None,
+        ),
+        (
+            "missing_data",
+            ["--model", model_dir, "--data", str(tmp / "missing.jsonl"), *good],
+            ["--data", "missing.jsonl"],
+            None,
+        ),
+        (
+            "unknown_method",
+            ["--model", model_dir, "--data", SHAREGPT, "--method", "medusa", *good],
+            ["--method", "medusa"],
+            None,
+        ),
+        (
+            "unknown_supervision",
+            ["--model", model_dir, "--data", SHAREGPT, "--supervision", "logits", *good],
+            ["--supervision", "logits"],
+            None,
+        ),
+        (
+            "topk_0",
+            ["--model", model_dir, "--data", SHAREGPT, "--supervision", "topk:0", *good],
+            ["--supervision"],
+            None,
+        ),
+        (
+            "aux_out_of_range",
+            ["--model", model_dir, "--data", SHAREGPT, "--aux-layers", "1,3,8", *good],
+            ["--aux-layers", "[0, 7]"],
+            None,
+        ),
+        (
+            "aux_duplicated",
+            ["--model", model_dir, "--data", SHAREGPT, "--aux-layers", "1,3,3", *good],
+            ["--aux-layers", "distinct"],
+            None,
+        ),
         ("max_length_1", ["--model", model_dir, "--data", SHAREGPT, "--max-length", "1"], ["--max-length"], None),
-        ("draft_vocab_0", ["--model", model_dir, "--data", SHAREGPT, "--draft-vocab-size", "0", *good], ["--draft-vocab-size", "1024"], None),
-        ("draft_vocab_big", ["--model", model_dir, "--data", SHAREGPT, "--draft-vocab-size", "1025", *good], ["--draft-vocab-size", "1024"], None),
-        ("shard_not_multiple", ["--model", model_dir, "--data", SHAREGPT, "--batch-size", "4", "--shard-size", "6", *good], ["--shard-size", "--batch-size"], None),
-        ("no_usable_row", ["--model", model_dir, "--data", str(empty), *good], ["--data", str(empty), "no usable row"], None),
+        (
+            "draft_vocab_0",
+            ["--model", model_dir, "--data", SHAREGPT, "--draft-vocab-size", "0", *good],
+            ["--draft-vocab-size", "1024"],
+            None,
+        ),
+        (
+            "draft_vocab_big",
+            ["--model", model_dir, "--data", SHAREGPT, "--draft-vocab-size", "1025", *good],
+            ["--draft-vocab-size", "1024"],
+            None,
+        ),
+        (
+            "shard_not_multiple",
+            ["--model", model_dir, "--data", SHAREGPT, "--batch-size", "4", "--shard-size", "6", *good],
+            ["--shard-size", "--batch-size"],
+            None,
+        ),
+        (
+            "no_usable_row",
+            ["--model", model_dir, "--data", str(empty), *good],
+            ["--data", str(empty), "no usable row"],
+            None,
+        ),
         ("out_is_a_file", ["--model", model_dir, "--data", SHAREGPT, *good], ["--out", str(a_file)], str(a_file)),
     ]
 

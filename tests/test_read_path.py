@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader
 from speccache.errors import CacheCorruptError
 from speccache.format import shard_path
 from speccache.read import CacheDataset, PackCollator, PadCollator, SampleView
-from speccache.sampler import LocalityShuffleSampler
-from speccache.synthetic import write_synthetic_cache
+from speccache.read.sampler import LocalityShuffleSampler
+from speccache.testing.synthetic import write_synthetic_cache
 
 RAGGED = ["input_ids", "loss_mask", "hidden"]
 
@@ -33,8 +33,17 @@ def assert_batches_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
 def cache(tmp_path_factory, request):
     path = str(tmp_path_factory.mktemp(request.param))
     # hidden 64 bf16 x up to 600 rows: long samples go through pread, short ones through the mapping
-    write_synthetic_cache(path, num_samples=40, shard_size=8, batch_size=4, hidden=64, min_len=0, max_len=600,
-                          encoding=request.param, overlap=False)
+    write_synthetic_cache(
+        path,
+        num_samples=40,
+        shard_size=8,
+        batch_size=4,
+        hidden=64,
+        min_len=0,
+        max_len=600,
+        encoding=request.param,
+        overlap=False,
+    )
     return path
 
 
@@ -134,7 +143,9 @@ def test_prefetch_changes_nothing_but_the_page_cache(cache):
 def test_prefetch_stays_ahead_of_iteration():
     seen: list[int] = []
     calls: list[tuple[int, list[int]]] = []
-    sampler = LocalityShuffleSampler(100, 10, seed=1, prefetch=lambda ix: calls.append((len(seen), ix)), prefetch_ahead=8)
+    sampler = LocalityShuffleSampler(
+        100, 10, seed=1, prefetch=lambda ix: calls.append((len(seen), ix)), prefetch_ahead=8
+    )
     for i in sampler:
         assert i in {j for _, ix in calls for j in ix}
         seen.append(i)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from speccache.sampler import LocalityShuffleSampler
+from speccache.read.sampler import LocalityShuffleSampler
 
 
 def rank_sequences(n: int, shard_size: int, world_size: int, epoch: int = 0, **kw) -> list[list[int]]:
@@ -20,7 +20,9 @@ def rank_sequences(n: int, shard_size: int, world_size: int, epoch: int = 0, **k
     return out
 
 
-@pytest.mark.parametrize("n, shard_size, world_size", [(100, 10, 1), (100, 10, 4), (103, 7, 3), (97, 16, 8), (5, 4, 8), (1, 1, 3)])
+@pytest.mark.parametrize(
+    "n, shard_size, world_size", [(100, 10, 1), (100, 10, 4), (103, 7, 3), (97, 16, 8), (5, 4, 8), (1, 1, 3)]
+)
 def test_every_sample_exactly_once_per_epoch(n: int, shard_size: int, world_size: int) -> None:
     seqs = rank_sequences(n, shard_size, world_size, epoch=2, window=3)
     per_rank = -(-n // world_size)
@@ -125,7 +127,9 @@ class Indices(Dataset):
 
 
 def _loader(sampler: LocalityShuffleSampler, workers: int) -> DataLoader:
-    return DataLoader(Indices(), batch_size=8, sampler=sampler, num_workers=workers, prefetch_factor=4 if workers else None)
+    return DataLoader(
+        Indices(), batch_size=8, sampler=sampler, num_workers=workers, prefetch_factor=4 if workers else None
+    )
 
 
 @pytest.mark.parametrize("before, after", [(0, 2), (2, 0), (2, 2)])

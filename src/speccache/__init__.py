@@ -1,35 +1,59 @@
 """speccache: an offline cache of a frozen target model's features for training speculative-decoding drafts.
 
-The format is in :mod:`speccache.format` (and docs/format.md), writing in
-:mod:`speccache.write` and :mod:`speccache.cache_writer`, reading in
-:mod:`speccache.read`; :mod:`speccache.offline_cache` is the drop-in for NeMo
-AutoModel's offline-cache module, whose public names are also exported here.
+The public API, by layer (docs/architecture.md draws the layout):
+
+* format: :class:`KeySpec`, :class:`Manifest`, :data:`FORMAT_VERSION`;
+* writing: :class:`CacheWriter` (one producer run: lock, resume, overlapped writes, seal);
+* reading: :class:`CacheDataset`, :class:`PadCollator`, :class:`PackCollator`,
+  :class:`LocalityShuffleSampler`, :func:`verify_cache`, :func:`inspect_cache`;
+* EAGLE-3: :class:`Eagle3CacheDataset`, :func:`build_eagle3_dataloader`, :class:`TargetHead`;
+* the exceptions of :mod:`speccache.errors`.
+
+The NeMo AutoModel-compatible names (``CachedTensorDataset``, ``write_cache_shards``...)
+live in :mod:`speccache.offline_cache` only.
 """
 
-__version__ = "0.1.0"
-
-from speccache.errors import *  # noqa: E402,F401,F403
-from speccache.format import FORMAT_VERSION, KeySpec  # noqa: E402,F401
-from speccache.offline_cache import (  # noqa: E402,F401
-    MANIFEST_NAME,
-    SHARD_RE,
-    CachedTensorDataset,
-    atomic_write,
-    build_cached_dataloader,
-    collate_cached,
-    dataloader_from_sample,
-    ensure_supervision_options_match,
-    existing_shard_indices,
-    load_safetensors,
-    manifest_path,
-    partition_cache_shards,
-    read_manifest,
-    resume_start_sample,
-    shard_path,
-    validate_contiguous_shards,
-    write_cache_shards,
-    write_cache_shards_distributed,
-    write_manifest,
-    write_tensor_shard,
+from speccache._version import __version__
+from speccache.errors import (
+    CacheCorruptError,
+    CacheExistsError,
+    CacheFormatError,
+    CacheIncompleteError,
+    CacheLockedError,
+    ConfigMismatchError,
+    DataError,
+    DistributedError,
+    ShardWriteError,
+    SpeccacheError,
 )
-from speccache.read import CacheDataset, PackCollator, PadCollator  # noqa: E402,F401
+from speccache.format import FORMAT_VERSION, KeySpec, Manifest
+from speccache.methods.eagle3 import Eagle3CacheDataset, TargetHead, build_eagle3_dataloader
+from speccache.read import CacheDataset, LocalityShuffleSampler, PackCollator, PadCollator, inspect_cache, verify_cache
+from speccache.write import CacheWriter
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CacheCorruptError",
+    "CacheDataset",
+    "CacheExistsError",
+    "CacheFormatError",
+    "CacheIncompleteError",
+    "CacheLockedError",
+    "CacheWriter",
+    "ConfigMismatchError",
+    "DataError",
+    "DistributedError",
+    "Eagle3CacheDataset",
+    "KeySpec",
+    "LocalityShuffleSampler",
+    "Manifest",
+    "PackCollator",
+    "PadCollator",
+    "ShardWriteError",
+    "SpeccacheError",
+    "TargetHead",
+    "__version__",
+    "build_eagle3_dataloader",
+    "inspect_cache",
+    "verify_cache",
+]

@@ -345,8 +345,7 @@ SCIENCE: list[Item] = [
         [
             (
                 "What decides which element an atom is?",
-                "The number of protons. For example, every carbon atom has 6 protons and "
-                "every oxygen atom has 8.",
+                "The number of protons. For example, every carbon atom has 6 protons and every oxygen atom has 8.",
             )
         ],
     ),
@@ -365,14 +364,12 @@ SCIENCE: list[Item] = [
     ),
     (
         "How many bones are in the adult human body?",
-        "An adult human has 206 bones. Babies are born with more, but some of them fuse "
-        "together as they grow.",
+        "An adult human has 206 bones. Babies are born with more, but some of them fuse together as they grow.",
         [],
     ),
     (
         "What is the largest planet in our solar system?",
-        "Jupiter. It is a gas giant with a mass more than twice that of all the other "
-        "planets combined.",
+        "Jupiter. It is a gas giant with a mass more than twice that of all the other planets combined.",
         [],
     ),
     (
@@ -502,8 +499,7 @@ SCIENCE: list[Item] = [
     ),
     (
         "What is a light year?",
-        "A light year is a distance, not a time: how far light travels in one year, about "
-        "9.46 trillion kilometers.",
+        "A light year is a distance, not a time: how far light travels in one year, about 9.46 trillion kilometers.",
         [],
     ),
     (
@@ -545,12 +541,11 @@ PROGRAMMING: list[Item] = [
     (
         "How do I reverse a string in Python?",
         "Use slicing with a step of -1:\n\n"
-        "```python\ntext = \"hello\"\nreversed_text = text[::-1]\nprint(reversed_text)  # olleh\n```",
+        '```python\ntext = "hello"\nreversed_text = text[::-1]\nprint(reversed_text)  # olleh\n```',
         [
             (
                 "Does that work for lists too?",
-                "Yes. my_list[::-1] returns a new reversed list. To reverse a list in "
-                "place, call my_list.reverse().",
+                "Yes. my_list[::-1] returns a new reversed list. To reverse a list in place, call my_list.reverse().",
             )
         ],
     ),
@@ -567,22 +562,22 @@ PROGRAMMING: list[Item] = [
         "How do I read a file line by line in Python?",
         "Open the file in a with block and loop over it; the file is closed automatically "
         "at the end:\n\n"
-        "```python\nwith open(\"notes.txt\", encoding=\"utf-8\") as f:\n"
-        "    for line in f:\n        print(line.rstrip(\"\\n\"))\n```",
+        '```python\nwith open("notes.txt", encoding="utf-8") as f:\n'
+        '    for line in f:\n        print(line.rstrip("\\n"))\n```',
         [],
     ),
     (
         "Write a Python function that returns the factorial of n.",
         "Here is an iterative version:\n\n"
         "```python\ndef factorial(n: int) -> int:\n    if n < 0:\n"
-        "        raise ValueError(\"n must be non-negative\")\n    result = 1\n"
+        '        raise ValueError("n must be non-negative")\n    result = 1\n'
         "    for k in range(2, n + 1):\n        result *= k\n    return result\n```\n\n"
         "For example, factorial(5) returns 120.",
         [
             (
                 "Can you write it recursively?",
                 "```python\ndef factorial(n: int) -> int:\n    if n < 0:\n"
-                "        raise ValueError(\"n must be non-negative\")\n"
+                '        raise ValueError("n must be non-negative")\n'
                 "    return 1 if n < 2 else n * factorial(n - 1)\n```\n\n"
                 "The recursive version is elegant, but Python limits recursion depth to about "
                 "1000 calls, so the loop is safer for large n.",
@@ -600,8 +595,8 @@ PROGRAMMING: list[Item] = [
         "How do I get a value from a dictionary without a KeyError?",
         "Use the get method, which returns None or a default you choose when the key is "
         "missing:\n\n"
-        "```python\nages = {\"ann\": 31}\nprint(ages.get(\"bob\"))      # None\n"
-        "print(ages.get(\"bob\", 0))   # 0\n```",
+        '```python\nages = {"ann": 31}\nprint(ages.get("bob"))      # None\n'
+        'print(ages.get("bob", 0))   # 0\n```',
         [],
     ),
     (
@@ -631,8 +626,7 @@ PROGRAMMING: list[Item] = [
     ),
     (
         "What does SELECT * FROM users WHERE age > 30 do?",
-        "It is an SQL query that returns every column of every row in the users table "
-        "whose age is greater than 30.",
+        "It is an SQL query that returns every column of every row in the users table whose age is greater than 30.",
         [
             (
                 "How do I sort the result by name?",
@@ -687,8 +681,8 @@ PROGRAMMING: list[Item] = [
     (
         "How do I sort a list of dictionaries by a key in Python?",
         "Pass a key function to sorted:\n\n"
-        "```python\npeople = [{\"name\": \"Ann\", \"age\": 31}, {\"name\": \"Bob\", \"age\": 25}]\n"
-        "by_age = sorted(people, key=lambda p: p[\"age\"])\n```\n\n"
+        '```python\npeople = [{"name": "Ann", "age": 31}, {"name": "Bob", "age": 25}]\n'
+        'by_age = sorted(people, key=lambda p: p["age"])\n```\n\n'
         "Add reverse=True to sort from oldest to youngest.",
         [],
     ),
@@ -703,7 +697,7 @@ PROGRAMMING: list[Item] = [
         "How do I count words in a string in Python?",
         "Split on whitespace and count the parts; for counts per word, use "
         "collections.Counter:\n\n"
-        "```python\nfrom collections import Counter\n\ntext = \"the cat and the hat\"\n"
+        '```python\nfrom collections import Counter\n\ntext = "the cat and the hat"\n'
         "print(len(text.split()))          # 5\n"
         "print(Counter(text.split()))      # Counter({'the': 2, 'cat': 1, 'and': 1, 'hat': 1})\n```",
         [],
@@ -719,7 +713,7 @@ PROGRAMMING: list[Item] = [
         "How do I handle an exception in Python?",
         "Wrap the risky code in try and catch the specific exception you expect:\n\n"
         "```python\ntry:\n    value = int(user_input)\nexcept ValueError:\n"
-        "    print(\"Please enter a whole number.\")\n```\n\n"
+        '    print("Please enter a whole number.")\n```\n\n'
         "Catch only exceptions you can handle; let the others propagate.",
         [],
     ),
@@ -741,7 +735,7 @@ PROGRAMMING: list[Item] = [
         "Write a function that checks whether a word is a palindrome.",
         "```python\ndef is_palindrome(word: str) -> bool:\n"
         "    cleaned = word.lower()\n    return cleaned == cleaned[::-1]\n```\n\n"
-        "is_palindrome(\"Level\") returns True and is_palindrome(\"hello\") returns False.",
+        'is_palindrome("Level") returns True and is_palindrome("hello") returns False.',
         [],
     ),
     (
@@ -753,9 +747,9 @@ PROGRAMMING: list[Item] = [
     ),
     (
         "How do I join a list of strings with commas in Python?",
-        "Call join on the separator: \", \".join([\"a\", \"b\", \"c\"]) returns "
-        "\"a, b, c\". All items must be strings, so convert numbers first, for example "
-        "\", \".join(str(n) for n in numbers).",
+        'Call join on the separator: ", ".join(["a", "b", "c"]) returns '
+        '"a, b, c". All items must be strings, so convert numbers first, for example '
+        '", ".join(str(n) for n in numbers).',
         [],
     ),
     (

@@ -17,7 +17,7 @@ import torch
 
 from speccache import cli
 from speccache.demo import demo_data_path, ensure_demo_target
-from speccache.eagle3 import TargetHead, build_eagle3_dataloader
+from speccache.methods.eagle3 import TargetHead, build_eagle3_dataloader
 
 
 def _run(argv: list[str]) -> None:
@@ -61,8 +61,24 @@ def main(argv: list[str] | None = None) -> None:
     model = ensure_demo_target()
     data = demo_data_path("sharegpt")
     print(f"demo target: {model}\ndemo data:   {data}")
-    _run(["precompute", "--model", model, "--data", data, "--out", a.out, "--batch-size", str(a.batch_size),
-          "--shard-size", str(8 * a.batch_size), "--max-length", "512", "--resume"])
+    _run(
+        [
+            "precompute",
+            "--model",
+            model,
+            "--data",
+            data,
+            "--out",
+            a.out,
+            "--batch-size",
+            str(a.batch_size),
+            "--shard-size",
+            str(8 * a.batch_size),
+            "--max-length",
+            "512",
+            "--resume",
+        ]
+    )
     _run(["verify", a.out])
     _run(["inspect", a.out])
     print("\n# one epoch through build_eagle3_dataloader + TargetHead", flush=True)

@@ -31,17 +31,17 @@ as SGLang uses it).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from speccache.dist import group_position
+from speccache.errors import CacheFormatError
 from speccache.format import LENGTHS_KEY, KeySpec, Schema, ShardFile
-from speccache.read import CacheDataset, PadCollator, Sample
-from speccache.sampler import LocalityShuffleSampler
+from speccache.read import CacheDataset, LocalityShuffleSampler, PadCollator, Sample, distributed_position
 
 CACHE_NAME = "eagle3"
 SIDE_FILE = "eagle3_side.safetensors"
@@ -70,7 +70,7 @@ class Supervision:
     k: int = 0
 
     @classmethod
-    def parse(cls, text: str) -> "Supervision":
+    def parse(cls, text: str) -> Supervision:
         """Parse ``hidden``, ``probs`` or ``topk:K``.
 
         Raises:
@@ -142,9 +142,13 @@ def eagle3_schema(
         float_keys["topk_probs"] = (supervision.k,)
     unknown = sorted(set(enc) - set(float_keys))
     if unknown:
-        raise ValueError(f"--encode names {unknown}, which are not float features of this cache; choose from {sorted(float_keys)}")
+        raise ValueError(
+            f"--encode names {unknown}, which are not float features of this cache; choose from {sorted(float_keys)}"
+        )
     specs = [KeySpec("input_ids", torch.int32, (), ragged=True), KeySpec("loss_mask", torch.bool, (), ragged=True)]
-    specs += [KeySpec(name, dtype, shape, ragged=True, encoding=enc.get(name, "raw")) for name, shape in float_keys.items()]
+    specs += [
+        KeySpec(name, dtype, shape, ragged=True, encoding=enc.get(name, "raw")) for name, shape in float_keys.items()
+    ]
     if supervision.mode == "topk":
         specs.append(KeySpec("topk_ids", torch.int32, (supervision.k,), ragged=True))
     if not full_vocab:
@@ -204,7 +208,9 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__}: cannot find its decoder layers (expected model.get_decoder().layers)")
+        raise ValueError(
+            f"{type(model).__name__}: cannot find its decoder layers (expected model.get_decoder().layers)"
+        )
     return layers
 
 
@@ -219,7 +225,14 @@ class Eagle3Target:
         dtype: storage dtype of float features.
     """
 
-    def __init__(self, model: nn.Module, aux_layers: Sequence[int], supervision: Supervision, selected: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        aux_layers: Sequence[int],
+        supervision: Supervision,
+        selected: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> None:
         self.model = model.eval()
         self.layers = decoder_layers(model)
         self.aux_layers = check_aux_layers(aux_layers, len(self.layers))
@@ -236,7 +249,7 @@ class Eagle3Target:
         """Padded features ``[B, T, ...]`` of one batch, in the model's dtype: aux, last hidden, logits-derived."""
         captured: dict[int, torch.Tensor] = {}
 
-        def hook(index: int):  # noqa: ANN202 - a hook factory
+        def hook(index: int):
             def capture(_module: nn.Module, _args: Any, output: Any) -> None:
                 captured[index] = output[0] if isinstance(output, tuple) else output
 
@@ -249,7 +262,10 @@ class Eagle3Target:
             for h in handles:
                 h.remove()
         last = out.last_hidden_state
-        feats = {"aux_hidden_states": torch.cat([captured[i] for i in self.aux_layers], dim=-1), "last_hidden_state": last}
+        feats = {
+            "aux_hidden_states": torch.cat([captured[i] for i in self.aux_layers], dim=-1),
+            "last_hidden_state": last,
+        }
         if self.supervision.mode != "hidden" or not self.full_vocab:
             logits = self.lm_head(last).float()
             draft_logits = logits[..., self.selected]
@@ -302,33 +318,61 @@ class Eagle3CacheDataset(CacheDataset):
     ``topk``, scattered back), plus ``position_mask`` when the cache stores
     probabilities. Encoded keys (fp8, zbf16) come back decoded.
 
+    With ``keys``, a sample holds those keys and what is derived from them;
+    the stored keys a derived field needs are read too, whether named or not:
+    ``position_mask`` always needs ``loss_mask`` and (with a reduced draft
+    vocabulary) ``in_draft``; ``target_probs`` of a ``topk`` cache needs both
+    ``topk_probs`` and ``topk_ids``.
+
     Args:
         cache_dir: the cache directory.
+        keys: stored keys to return (default: all), or ``target_probs`` for a ``topk`` cache.
         verify: check each shard's checksum when first opened.
         **kwargs: passed to :class:`speccache.read.CacheDataset`.
+
+    Raises:
+        CacheFormatError: a key neither stored nor derivable (the message lists what the cache offers).
     """
 
-    def __init__(self, cache_dir: str, verify: bool = False, **kwargs: Any) -> None:
-        super().__init__(cache_dir, cache_name=CACHE_NAME, verify=verify, **kwargs)
-        config = self.manifest.get("config", {})
+    def __init__(
+        self, cache_dir: str, keys: Sequence[str] | str | None = None, verify: bool = False, **kwargs: Any
+    ) -> None:
+        super().__init__(cache_dir, keys, cache_name=CACHE_NAME, verify=verify, **kwargs)
+
+    def _stored_keys(self, keys: list[str]) -> list[str]:
+        config = self.manifest.config
         self.supervision = Supervision.parse(config.get("supervision", "hidden"))
         self.draft_vocab_size = int(config["draft_vocab_size"])
+        stored = set(self.manifest.schema)
+        wanted = set(keys)
+        if self.supervision.mode == "topk" and wanted & {"target_probs", "topk_probs", "topk_ids"}:
+            wanted = (wanted - {"target_probs"}) | {"topk_probs", "topk_ids"}
+        unknown = sorted(wanted - stored)
+        if unknown:
+            offered = sorted(stored | ({"target_probs"} if self.supervision.mode == "topk" else set()))
+            raise CacheFormatError(
+                f"{self.cache_dir}: keys {unknown} are not in this EAGLE-3 cache; it offers {offered}"
+            )
+        needed = set(wanted)
+        if self.supervision.mode != "hidden":
+            needed |= {"loss_mask"} | ({"in_draft"} & stored)
+        self._implicit = frozenset(needed - wanted)
+        return [k for k in self.manifest.schema if k in needed]
 
     def _finish(self, sample: Sample) -> Sample:
-        if self.supervision.mode == "topk":
+        if self.supervision.mode == "topk" and "topk_probs" in sample:
             values, ids = sample.pop("topk_probs"), sample.pop("topk_ids")
             probs = torch.zeros((values.shape[0], self.draft_vocab_size), dtype=values.dtype)
             sample["target_probs"] = probs.scatter_(1, ids.long(), values)
         if self.supervision.mode != "hidden":
             in_draft = sample.pop("in_draft", None)
             sample["position_mask"] = sample["loss_mask"] if in_draft is None else sample["loss_mask"] & in_draft
+        for key in self._implicit & set(sample):
+            del sample[key]
         return sample
 
     def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
         return [self._finish(s) for s in super().__getitems__(indices)]
-
-    # No __getitem__ override: CacheDataset.__getitem__ goes through __getitems__, which already finishes
-    # the sample; finishing twice dropped in_draft from position_mask and raised KeyError on topk caches.
 
     def collator(self, pin_memory: bool | None = None) -> PadCollator:
         """The padding collator of this cache's samples (adds ``attention_mask`` and ``lengths``)."""
@@ -346,6 +390,9 @@ def build_eagle3_dataloader(
     seed: int = 0,
     sampler: Sampler | None = None,
     verify: bool = False,
+    keys: Sequence[str] | None = None,
+    max_open_shards: int = 64,
+    allow_incomplete: bool = False,
     **loader_kwargs: Any,
 ) -> DataLoader:
     """A DataLoader of padded EAGLE-3 batches (with ``attention_mask`` and ``lengths``).
@@ -353,18 +400,26 @@ def build_eagle3_dataloader(
     Args:
         cache_dir: the cache directory.
         batch_size: samples per batch.
-        shuffle: shuffle with shard locality (:class:`speccache.sampler.LocalityShuffleSampler`);
+        shuffle: shuffle with shard locality (:class:`speccache.read.LocalityShuffleSampler`);
             call ``loader.sampler.set_epoch(e)`` each epoch, and ``state_dict``/``load_state_dict`` to resume mid-epoch.
         num_workers: DataLoader workers.
         distributed: give each rank its share (``torch.distributed`` must be initialised).
         seed: shuffling seed, the same on every rank.
         sampler: a sampler to use instead of the default.
         verify: check shard checksums when first opened.
+        keys: stored keys to read (see :class:`Eagle3CacheDataset`).
+        max_open_shards: LRU bound on open shards per worker.
+        allow_incomplete: read the whole shards of an unsealed cache.
         **loader_kwargs: passed to ``DataLoader``.
+
+    Raises:
+        RuntimeError: ``distributed`` without an initialised process group.
     """
-    dataset = Eagle3CacheDataset(cache_dir, verify=verify)
+    dataset = Eagle3CacheDataset(
+        cache_dir, keys, verify=verify, max_open_shards=max_open_shards, allow_incomplete=allow_incomplete
+    )
     if sampler is None and (shuffle or distributed):
-        rank, world_size = group_position() if distributed else (0, 1)
+        rank, world_size = distributed_position() if distributed else (0, 1)
         if shuffle:
             sampler = LocalityShuffleSampler(
                 dataset, dataset.shard_size, seed=seed, rank=rank, world_size=world_size, prefetch=dataset.prefetch
@@ -373,7 +428,12 @@ def build_eagle3_dataloader(
             sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
     loader_kwargs.setdefault("pin_memory", torch.cuda.is_available())
     return DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=dataset.collator(), **loader_kwargs
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=dataset.collator(),
+        **loader_kwargs,
     )
 
 
@@ -394,7 +454,7 @@ class TargetHead(nn.Module):
         self.register_buffer("selected_token_ids", selected_token_ids.detach().clone())
 
     @classmethod
-    def from_cache(cls, cache_dir: str, device: torch.device | str | None = None) -> "TargetHead":
+    def from_cache(cls, cache_dir: str, device: torch.device | str | None = None) -> TargetHead:
         """Build the head from a cache directory's side file."""
         side = ShardFile(_side_path(cache_dir))
         head = cls(side.tensor("lm_head").clone(), side.tensor("selected_token_ids").clone())

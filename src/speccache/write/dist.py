@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any, Callable, Protocol, TypeVar
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -42,9 +43,6 @@ class Comm(Protocol):
     def sum_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         """Element-wise sum over all ranks (int64 CPU tensor)."""
 
-    def barrier(self) -> None:
-        """Wait for every rank."""
-
 
 class LocalComm:
     """The group of one process."""
@@ -61,9 +59,6 @@ class LocalComm:
     def sum_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
-    def barrier(self) -> None:
-        return None
-
 
 def _describe_timeout(timeout_s: float | None) -> str:
     return f"the --timeout of {timeout_s:g} s" if timeout_s is not None else "the process group's timeout"
@@ -75,7 +70,10 @@ def collective_failure_message(rank: int, world_size: int, op: str, timeout_s: f
     if len(detail) > 400:
         detail = detail[:400] + "..."
     if "timed out" in detail.lower() or "timeout" in detail.lower():
-        what = f"another rank did not reach the same step within {_describe_timeout(timeout_s)}: it hangs or is much slower"
+        what = (
+            f"another rank did not reach the same step within {_describe_timeout(timeout_s)}: "
+            "it hangs or is much slower"
+        )
     else:
         what = (
             "lost the connection to another rank, which exited or crashed "
@@ -122,7 +120,9 @@ class TorchComm:
         try:
             return fn()
         except RuntimeError as exc:  # DistBackendError, DistNetworkError... all subclass RuntimeError
-            raise DistributedError(collective_failure_message(self.rank, self.world_size, op, self.timeout_s, exc)) from exc
+            raise DistributedError(
+                collective_failure_message(self.rank, self.world_size, op, self.timeout_s, exc)
+            ) from exc
 
     def all_gather(self, obj: T) -> list[T]:
         out: list[Any] = [None] * self.world_size
@@ -140,9 +140,6 @@ class TorchComm:
             t = t.clone()  # all_reduce works in place; leave the caller's tensor alone
         self._run("all_reduce(sum)", lambda: self._dist.all_reduce(t, op=self._dist.ReduceOp.SUM, group=self._group))
         return t.cpu()
-
-    def barrier(self) -> None:
-        self._run("barrier", lambda: self._dist.barrier(group=self._group))
 
 
 def launched_distributed() -> bool:
@@ -178,7 +175,8 @@ def init_from_env(device: torch.device, timeout_s: float) -> Comm:
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         raise DistributedError(
             f"rank {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')}: could not join the {backend} process "
-            f"group at {where} within {timeout_s:g} s (--timeout): {str(exc).strip().rstrip('.')}. Check that every rank was started with the "
+            f"group at {where} within {timeout_s:g} s (--timeout): {str(exc).strip().rstrip('.')}. "
+            "Check that every rank was started with the "
             "same rendezvous settings and can reach that address."
         ) from exc
     return TorchComm(device, timeout_s=timeout_s, owns_group=True)
@@ -192,12 +190,3 @@ def shutdown(comm: Comm) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         comm.owns_group = False
-
-
-def group_position() -> tuple[int, int]:
-    """``(rank, world_size)`` in the initialised default process group, or ``(0, 1)`` without one."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1

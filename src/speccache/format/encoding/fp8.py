@@ -15,12 +15,12 @@ Parts: ``""`` float8_e4m3fn ``[num_rows, *shape]`` and ``scale`` float32
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
-from speccache.encoding import register_encoding
+from speccache.format.encoding import PartLayout, register_encoding
 
 __all__ = ["Fp8Encoding", "fp8_error", "FP8_MAX"]
 
@@ -39,6 +39,10 @@ class Fp8Encoding:
 
     name = "fp8"
     lossless = False
+    zero_copy = False
+
+    def parts(self, dtype: torch.dtype, shape: tuple[int, ...]) -> dict[str, PartLayout]:
+        return {"": PartLayout(torch.float8_e4m3fn, tuple(shape)), "scale": PartLayout(torch.float32)}
 
     def check_dtype(self, key: str, dtype: torch.dtype) -> None:
         if dtype not in _FLOAT_DTYPES:
@@ -116,5 +120,6 @@ def fp8_error(original: torch.Tensor, decoded: torch.Tensor) -> dict[str, float]
     amax = torch.where(amax > 0, amax, torch.ones_like(amax))
     row_err = diff.reshape(num_rows, -1).abs().amax(dim=1)
     return {"rel_rms": rel_rms, "max_rel_to_row_amax": float((row_err / amax).max())}
+
 
 register_encoding(Fp8Encoding())

@@ -43,6 +43,7 @@ from typing import Any
 import xxhash
 
 from speccache.errors import DataError
+from speccache.format import file_checksum
 
 __all__ = [
     "DataStats",
@@ -59,7 +60,6 @@ _OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
 _ROW_KEYS = ("conversations", "messages", "input_ids")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _MAX_BAD_ROW_MESSAGES = 5
-_HASH_CHUNK = 1 << 20
 
 
 class _RowError(DataError):
@@ -147,8 +147,12 @@ def _raw_rows(path: str) -> Iterator[tuple[int, str, Any]]:
             try:
                 yield line_no, where, json.loads(text)
             except json.JSONDecodeError as e:
-                yield line_no, where, _RowError(
-                    f"{where}: invalid JSON ({e.msg}, column {e.colno}); fix or remove the line, or skip bad rows"
+                yield (
+                    line_no,
+                    where,
+                    _RowError(
+                        f"{where}: invalid JSON ({e.msg}, column {e.colno}); fix or remove the line, or skip bad rows"
+                    ),
                 )
 
 
@@ -213,9 +217,7 @@ def _pretokenized(row: dict, tokenizer: Any, where: str) -> tuple[list[int], lis
     if not isinstance(mask, list) or not all(type(m) is int and m in (0, 1) for m in mask):
         raise _RowError(f"{where}: a pre-tokenized row needs 'loss_mask', a list of 0/1 integers; fix the row")
     if len(mask) != len(ids):
-        raise _RowError(
-            f"{where}: 'loss_mask' has {len(mask)} entries but 'input_ids' has {len(ids)}; they must match"
-        )
+        raise _RowError(f"{where}: 'loss_mask' has {len(mask)} entries but 'input_ids' has {len(ids)}; they must match")
     return ids, mask
 
 
@@ -288,9 +290,7 @@ def _encode(row: Any, tokenizer: Any, where: str) -> tuple[list[int], list[int]]
     return _chat_tokens(tokenizer, messages, where)
 
 
-def _truncate(
-    encoded: tuple[list[int], list[int]] | None, max_length: int, source_row: int
-) -> TokenizedSample | None:
+def _truncate(encoded: tuple[list[int], list[int]] | None, max_length: int, source_row: int) -> TokenizedSample | None:
     if encoded is None or not any(encoded[1][:max_length]):
         return None
     ids, mask = encoded
@@ -382,25 +382,15 @@ def load_samples(
 
 
 def file_content_hash(path: str) -> str:
-    """Hash a file's bytes.
-
-    Args:
-        path: Any file.
-
-    Returns:
-        The xxh3_128 hex digest, read in 1 MiB chunks.
+    """The xxh3-128 of a data file's bytes (recorded in the manifest, so a resume refuses changed data).
 
     Raises:
-        DataError: The file is missing.
+        DataError: the file is missing.
     """
-    hasher = xxhash.xxh3_128()
     try:
-        with open(path, "rb") as f:
-            while chunk := f.read(_HASH_CHUNK):
-                hasher.update(chunk)
+        return file_checksum(path)
     except FileNotFoundError as e:
         raise DataError(f"data file not found: {path}; check the path") from e
-    return hasher.hexdigest()
 
 
 def tokenizer_hash(tokenizer: Any) -> str:

@@ -17,9 +17,17 @@ import time
 from types import TracebackType
 
 from speccache.errors import CacheLockedError
-from speccache.format import TMP_MARK, temp_path
+from speccache.format.durable import temp_path
+from speccache.format.names import TMP_MARK
 
 LOCK_NAME = ".speccache.lock"
+
+
+def lock_path(cache_dir: str) -> str:
+    """The writer lock's path inside ``cache_dir``."""
+    return os.path.join(cache_dir, LOCK_NAME)
+
+
 _ABANDONED_GUARD_S = 10.0
 
 
@@ -93,7 +101,7 @@ class CacheLock:
 
     def __init__(self, cache_dir: str) -> None:
         self.cache_dir = cache_dir
-        self.path = os.path.join(cache_dir, LOCK_NAME)
+        self.path = lock_path(cache_dir)
         self._held = False
         self._me: dict | None = None
 
@@ -101,7 +109,7 @@ class CacheLock:
         """The holder recorded in the lock file, or ``None`` when unlocked."""
         return _read_json(self.path)
 
-    def acquire(self) -> "CacheLock":
+    def acquire(self) -> CacheLock:
         """Take the lock, recovering it from a dead holder on this host.
 
         The lock file appears whole: it is written under a temporary name, then hard-linked into
@@ -131,7 +139,9 @@ class CacheLock:
                 os.unlink(staged)
             except FileNotFoundError:
                 pass
-        raise CacheLockedError(f"could not take the writer lock {self.path}: it keeps reappearing; is another writer starting?")
+        raise CacheLockedError(
+            f"could not take the writer lock {self.path}: it keeps reappearing; is another writer starting?"
+        )
 
     def _recover_or_raise(self, staged: str, me: dict) -> None:
         info = self.holder()
@@ -189,8 +199,10 @@ class CacheLock:
             except FileNotFoundError:
                 pass
 
-    def __enter__(self) -> "CacheLock":
+    def __enter__(self) -> CacheLock:
         return self.acquire()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.release()

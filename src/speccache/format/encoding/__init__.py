@@ -6,17 +6,48 @@ or ``f"{key}.{suffix}"``. An encoding turns a shard's rows into parts and reads
 a run of samples back out of them. Readers never special-case an encoding: they
 hand the shard's parts (zero-copy views) to :meth:`Encoding.decode`.
 
+Each encoding also describes its parts without data (:meth:`Encoding.parts`), so
+the shard checks, size estimates and readers ask it instead of knowing its layout.
+
 ``raw`` stores the rows as they are. ``fp8`` and ``zbf16`` live in their own
 modules and register themselves here.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-__all__ = ["Encoding", "RawEncoding", "get_encoding", "register_encoding", "ENCODINGS", "part_name"]
+__all__ = ["Encoding", "PartLayout", "RawEncoding", "get_encoding", "register_encoding", "ENCODINGS", "part_name"]
+
+
+@dataclass(frozen=True)
+class PartLayout:
+    """One part of an encoded key: its dtype and how its shape follows from a shard's counts.
+
+    Attributes:
+        dtype: the part's dtype.
+        trailing: the shape after the first dimension.
+        length: what the first dimension counts: ``"rows"`` (one per row of the key), ``"samples+1"``
+            (offsets, one per sample plus one) or ``"bytes"`` (data-dependent, e.g. compressed bytes).
+    """
+
+    dtype: torch.dtype
+    trailing: tuple[int, ...] = ()
+    length: str = "rows"
+
+    def shape(self, num_rows: int, num_samples: int, data_bytes: int = 0) -> tuple[int, ...]:
+        """The part's shape in a shard of ``num_samples`` samples and ``num_rows`` rows of the key."""
+        first = {"rows": num_rows, "samples+1": num_samples + 1, "bytes": data_bytes}[self.length]
+        return (first, *self.trailing)
+
+    def nbytes(self, num_rows: int, num_samples: int, data_bytes: int = 0) -> int:
+        """The part's size in bytes (see :meth:`shape`)."""
+        return math.prod(self.shape(num_rows, num_samples, data_bytes)) * self.dtype.itemsize
 
 
 class Encoding(Protocol):
@@ -25,10 +56,16 @@ class Encoding(Protocol):
     Attributes:
         name: the name recorded in the manifest key schema (``"raw"``, ``"fp8"``...).
         lossless: whether ``decode(encode(x)) == x`` bit for bit.
+        zero_copy: whether the main part holds the rows exactly as readers return them, so that
+            a reader may copy its bytes straight into a batch instead of calling :meth:`decode`.
     """
 
     name: str
     lossless: bool
+    zero_copy: bool
+
+    def parts(self, dtype: torch.dtype, shape: tuple[int, ...]) -> dict[str, PartLayout]:
+        """The parts a key of ``dtype`` and per-row ``shape`` is stored as, by suffix."""
 
     def check_dtype(self, key: str, dtype: torch.dtype) -> None:
         """Raise ``ValueError`` naming ``key`` if this encoding cannot store ``dtype``."""
@@ -59,6 +96,10 @@ class RawEncoding:
 
     name = "raw"
     lossless = True
+    zero_copy = True
+
+    def parts(self, dtype: torch.dtype, shape: tuple[int, ...]) -> dict[str, PartLayout]:
+        return {"": PartLayout(dtype, tuple(shape))}
 
     def check_dtype(self, key: str, dtype: torch.dtype) -> None:
         return None
@@ -100,4 +141,4 @@ def part_name(key: str, suffix: str) -> str:
 
 register_encoding(RawEncoding())
 
-from speccache.encoding import fp8 as _fp8, zbf16 as _zbf16  # noqa: E402,F401  (register)
+from speccache.format.encoding import fp8, zbf16  # noqa: E402, F401 - importing them registers them

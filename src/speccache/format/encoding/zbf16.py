@@ -30,13 +30,13 @@ Parts:
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 import zstandard
 
-from speccache.encoding import register_encoding
+from speccache.format.encoding import PartLayout, register_encoding
 
 __all__ = ["Zbf16Encoding", "entropy_bound_bytes", "zbf16_plane_stats"]
 
@@ -62,6 +62,14 @@ class Zbf16Encoding:
 
     name = "zbf16"
     lossless = True
+    zero_copy = False
+
+    def parts(self, dtype: torch.dtype, shape: tuple[int, ...]) -> dict[str, PartLayout]:
+        return {
+            "lo": PartLayout(torch.uint8, tuple(shape)),
+            "hi": PartLayout(torch.uint8, length="bytes"),
+            "hi_offsets": PartLayout(torch.int64, length="samples+1"),
+        }
 
     def check_dtype(self, key: str, dtype: torch.dtype) -> None:
         if dtype != torch.bfloat16:

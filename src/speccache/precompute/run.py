@@ -14,17 +14,18 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import xxhash
 from torch.utils.data import DataLoader, Dataset
 
-from speccache.cache_writer import CacheWriter
 from speccache.data import DataStats, TokenizedSample, file_content_hash, load_samples, tokenizer_hash
-from speccache.dist import Comm, LocalComm, init_from_env, shutdown
-from speccache.eagle3 import (
+from speccache.errors import DataError
+from speccache.format import LENGTHS_KEY, Manifest, Schema, shard_samples
+from speccache.methods.eagle3 import (
     CACHE_NAME,
     SIDE_FILE,
     Eagle3Target,
@@ -35,9 +36,17 @@ from speccache.eagle3 import (
     select_draft_vocab,
     vocab_mapping,
 )
-from speccache.errors import DataError
-from speccache.format import LENGTHS_KEY, Schema, load_manifest_json, manifest_path, write_safetensors
-from speccache.write import OverlappedShardWriter, compute_shard_runs, partition_cache_shards
+from speccache.units import human_bytes
+from speccache.write import (
+    CacheWriter,
+    Comm,
+    LocalComm,
+    SideFile,
+    compute_shard_runs,
+    init_from_env,
+    partition_cache_shards,
+    shutdown,
+)
 
 log = logging.getLogger("speccache.precompute")
 
@@ -52,16 +61,24 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def add_precompute_arguments(p: argparse.ArgumentParser) -> None:
     """The flags shared by ``precompute`` and ``estimate``."""
     p.add_argument("--model", required=True, help="Hugging Face model directory (or hub id where the network allows)")
-    p.add_argument("--data", required=True, help=".jsonl/.json chat data (ShareGPT, OpenAI messages, or input_ids+loss_mask)")
+    p.add_argument(
+        "--data", required=True, help=".jsonl/.json chat data (ShareGPT, OpenAI messages, or input_ids+loss_mask)"
+    )
     p.add_argument("--method", default="eagle3", help=f"speculative method ({', '.join(METHODS)})")
     p.add_argument("--max-length", type=int, default=2048, help="truncate samples to this many tokens (default 2048)")
     p.add_argument("--batch-size", type=int, default=8, help="samples per target forward (default 8)")
-    p.add_argument("--shard-size", type=int, default=256, help="samples per shard; a multiple of --batch-size (default 256)")
+    p.add_argument(
+        "--shard-size", type=int, default=256, help="samples per shard; a multiple of --batch-size (default 256)"
+    )
     p.add_argument("--dtype", default="bf16", help="storage dtype of float features: bf16, fp16, fp32 (default bf16)")
-    p.add_argument("--aux-layers", default=None, help="three decoder layer ids, e.g. 1,15,28 (default [1, L//2-1, L-4])")
+    p.add_argument(
+        "--aux-layers", default=None, help="three decoder layer ids, e.g. 1,15,28 (default [1, L//2-1, L-4])"
+    )
     p.add_argument("--draft-vocab-size", type=int, default=None, help="draft vocabulary size (default: the target's)")
     p.add_argument("--supervision", default="hidden", help="hidden (default), probs, or topk:K")
-    p.add_argument("--encode", default="", help="per-feature encodings, e.g. aux_hidden_states=fp8,last_hidden_state=zbf16")
+    p.add_argument(
+        "--encode", default="", help="per-feature encodings, e.g. aux_hidden_states=fp8,last_hidden_state=zbf16"
+    )
     p.add_argument("--limit", type=int, default=None, help="use only the first N usable rows")
     p.add_argument("--skip-bad-rows", action="store_true", help="count and skip malformed rows instead of failing")
 
@@ -90,7 +107,7 @@ class PrecomputeConfig:
     model_dtype: str = "auto"
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "PrecomputeConfig":
+    def from_args(cls, args: argparse.Namespace) -> PrecomputeConfig:
         """Build from parsed CLI arguments and check what can be checked without the model.
 
         Raises:
@@ -98,12 +115,24 @@ class PrecomputeConfig:
             FileNotFoundError: the data file or a local model directory is missing.
         """
         cfg = cls(
-            model=args.model, data=args.data, out=getattr(args, "out", ""), method=args.method, max_length=args.max_length,
-            batch_size=args.batch_size, shard_size=args.shard_size, dtype=args.dtype,
-            aux_layers=_parse_layers(args.aux_layers), draft_vocab_size=args.draft_vocab_size,
-            supervision=args.supervision, encodings=_parse_encodings(args.encode), limit=args.limit,
-            skip_bad_rows=args.skip_bad_rows, resume=getattr(args, "resume", False), device=getattr(args, "device", None),
-            timeout=getattr(args, "timeout", 1800.0), model_dtype=getattr(args, "model_dtype", "auto"),
+            model=args.model,
+            data=args.data,
+            out=getattr(args, "out", ""),
+            method=args.method,
+            max_length=args.max_length,
+            batch_size=args.batch_size,
+            shard_size=args.shard_size,
+            dtype=args.dtype,
+            aux_layers=_parse_layers(args.aux_layers),
+            draft_vocab_size=args.draft_vocab_size,
+            supervision=args.supervision,
+            encodings=_parse_encodings(args.encode),
+            limit=args.limit,
+            skip_bad_rows=args.skip_bad_rows,
+            resume=getattr(args, "resume", False),
+            device=getattr(args, "device", None),
+            timeout=getattr(args, "timeout", 1800.0),
+            model_dtype=getattr(args, "model_dtype", "auto"),
         )
         cfg.check()
         return cfg
@@ -116,14 +145,19 @@ class PrecomputeConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
         if self.model_dtype not in ("auto", *DTYPES):
-            raise ValueError(f"--model-dtype {self.model_dtype!r} is unknown; choose auto or one of {', '.join(DTYPES)}")
+            raise ValueError(
+                f"--model-dtype {self.model_dtype!r} is unknown; choose auto or one of {', '.join(DTYPES)}"
+            )
         if self.max_length < 2:
-            raise ValueError(f"--max-length must be >= 2 (a sample needs a token and its successor), got {self.max_length}")
+            raise ValueError(
+                f"--max-length must be >= 2 (a sample needs a token and its successor), got {self.max_length}"
+            )
         if self.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.shard_size < 1 or self.shard_size % self.batch_size:
             raise ValueError(
-                f"--shard-size {self.shard_size} must be a positive multiple of --batch-size {self.batch_size}, so that a "
+                f"--shard-size {self.shard_size} must be a positive multiple of --batch-size {self.batch_size}, "
+                "so that a "
                 "resumed or distributed run computes exactly the batches of an uninterrupted one"
             )
         if self.limit is not None and self.limit < 1:
@@ -199,7 +233,9 @@ def make_plan(cfg: PrecomputeConfig) -> Plan:
     try:
         model_config = AutoConfig.from_pretrained(cfg.model)
     except OSError as exc:  # a missing "dir/name" path looks like a hub id; a directory may lack config.json
-        raise FileNotFoundError(f"--model {cfg.model}: no model directory or loadable model config there ({exc})") from exc
+        raise FileNotFoundError(
+            f"--model {cfg.model}: no model directory or loadable model config there ({exc})"
+        ) from exc
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     num_layers = int(text_config.num_hidden_layers)
     aux = check_aux_layers(cfg.aux_layers if cfg.aux_layers is not None else default_aux_layers(num_layers), num_layers)
@@ -264,7 +300,10 @@ class TokenizedDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         s = self.samples[index]
-        return {"input_ids": torch.tensor(s.input_ids, dtype=torch.int64), "loss_mask": torch.tensor(s.loss_mask, dtype=torch.bool)}
+        return {
+            "input_ids": torch.tensor(s.input_ids, dtype=torch.int64),
+            "loss_mask": torch.tensor(s.loss_mask, dtype=torch.bool),
+        }
 
 
 def pad_tokens(items: list[dict[str, torch.Tensor]], pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -304,13 +343,13 @@ def load_target(cfg: PrecomputeConfig, device: torch.device) -> torch.nn.Module:
 
 
 def padded_probs_bytes(num_samples: int, max_length: int, hidden: int, draft_vocab: int, itemsize: int) -> int:
-    """Bytes of the layout other tools write: every sample padded to ``max_length`` with full draft-vocab probabilities."""
+    """Bytes of the layout other tools write: each sample padded to ``max_length``, full draft-vocab probabilities."""
     per_token = (3 * hidden + draft_vocab) * itemsize + 8 + 1
     return num_samples * max_length * per_token
 
 
 def target_device(cfg: PrecomputeConfig) -> torch.device:
-    """The device the target runs on: ``--device``, else CUDA (this process's ``LOCAL_RANK`` under torchrun) when available."""
+    """The target's device: ``--device``, else CUDA (``cuda:LOCAL_RANK`` under torchrun) if available, else CPU."""
     if cfg.device:
         return torch.device(cfg.device)
     if torch.cuda.is_available():
@@ -318,7 +357,7 @@ def target_device(cfg: PrecomputeConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bool = True) -> dict[str, Any]:
+def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bool = True) -> Manifest:
     """Write an EAGLE-3 cache; returns the sealed manifest.
 
     Args:
@@ -334,8 +373,14 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
     device = target_device(cfg)
     plan = make_plan(cfg)
     writer = CacheWriter(
-        cfg.out, cache_name=CACHE_NAME, schema=plan.schema, shard_size=cfg.shard_size, num_samples=len(plan.samples),
-        config=plan.manifest_config, resume=cfg.resume, comm=comm,
+        cfg.out,
+        cache_name=CACHE_NAME,
+        schema=plan.schema,
+        shard_size=cfg.shard_size,
+        num_samples=len(plan.samples),
+        config=plan.manifest_config,
+        resume=cfg.resume,
+        comm=comm,
     )
     writer.preflight()
     counts = draft_token_counts(plan, comm)
@@ -343,79 +388,78 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
     model = load_target(cfg, device)
     target = Eagle3Target(model, plan.aux_layers, Supervision.parse(cfg.supervision), selected, DTYPES[cfg.dtype])
 
-    def write_side_file() -> None:
-        tensors = {
+    def side_tensors() -> dict[str, torch.Tensor]:
+        return {
             "embed_tokens": model.get_input_embeddings().weight.detach().cpu().contiguous(),
             "lm_head": model.get_output_embeddings().weight.detach()[selected.to(device)].cpu().contiguous(),
             **vocab_mapping(selected, plan.vocab_size),
         }
-        written = write_safetensors(os.path.join(cfg.out, SIDE_FILE), tensors, {"speccache_side": CACHE_NAME})
-        writer.manifest["side_files"] = {SIDE_FILE: {"bytes": written.bytes, "xxh3_128": written.checksum}}
 
     pad_id = plan.tokenizer.pad_token_id if isinstance(plan.tokenizer.pad_token_id, int) else 0
-    loader = DataLoader(TokenizedDataset(plan.samples), batch_size=cfg.batch_size, collate_fn=lambda b: pad_tokens(b, pad_id))
+    loader = DataLoader(
+        TokenizedDataset(plan.samples), batch_size=cfg.batch_size, collate_fn=lambda b: pad_tokens(b, pad_id)
+    )
     ragged = [k for k, s in plan.schema.items() if s.ragged]
     itemsize = torch.empty((), dtype=DTYPES[cfg.dtype]).element_size()
-    stats = {
-        "rows_read": plan.stats.rows_read,
-        "rows_skipped_no_assistant": plan.stats.rows_skipped_no_assistant,
-        "rows_skipped_bad": plan.stats.rows_skipped_bad,
-        "rows_truncated": plan.stats.rows_truncated,
-        "samples": len(plan.samples),
-        "tokens": plan.num_tokens,
-        "padded_probs_bytes": padded_probs_bytes(len(plan.samples), cfg.max_length, plan.hidden_size, plan.draft_vocab_size, itemsize),
-    }
     started = time.monotonic()
-    todo = writer.begin(write_side_files=write_side_file)
-    # From here on this run holds the lock: any failure releases it before propagating.
-    try:
-        if comm.rank != 0:
-            writer.manifest["side_files"] = dict(load_manifest_json(manifest_path(cfg.out)).get("side_files") or {})
-        todo_samples = sum(min(cfg.shard_size, len(plan.samples) - i * cfg.shard_size) for i in todo)
-        bar = _progress(todo_samples, enabled=progress and comm.rank == 0)
+    with writer.writing(side_files=(SideFile(SIDE_FILE, side_tensors, {"speccache_side": CACHE_NAME}),)) as run:
+        todo_samples = sum(shard_samples(i, len(plan.samples), cfg.shard_size) for i in run.shards)
+        bar = _Progress(todo_samples, enabled=progress and comm.rank == 0)
 
         def on_batch(out: dict[str, torch.Tensor]) -> None:
             bar.update(int(out[LENGTHS_KEY].numel()), int(out[LENGTHS_KEY].sum()), writer.shard_writer.records)
 
         try:
-            with OverlappedShardWriter(writer.shard_writer) as write_fn:
-                compute_shard_runs(
-                    loader, cfg.out, cfg.shard_size, todo, target.compute_batch, write_fn, log, ragged_keys=ragged,
-                    sync_max_steps=comm.max_int if comm.world_size > 1 else None, on_batch=on_batch,
-                )
+            compute_shard_runs(
+                loader,
+                cfg.out,
+                cfg.shard_size,
+                run.shards,
+                target.compute_batch,
+                run.write_shard,
+                log,
+                ragged_keys=ragged,
+                sync_max_steps=comm.max_int if comm.world_size > 1 else None,
+                on_batch=on_batch,
+            )
         finally:
             bar.close()
-    except BaseException:
-        writer.close()
-        raise
-    manifest = writer.seal({"stats": stats})
+        run.stats = {
+            "rows_read": plan.stats.rows_read,
+            "rows_skipped_no_assistant": plan.stats.rows_skipped_no_assistant,
+            "rows_skipped_bad": plan.stats.rows_skipped_bad,
+            "rows_truncated": plan.stats.rows_truncated,
+            "samples": len(plan.samples),
+            "tokens": plan.num_tokens,
+            "padded_probs_bytes": padded_probs_bytes(
+                len(plan.samples), cfg.max_length, plan.hidden_size, plan.draft_vocab_size, itemsize
+            ),
+        }
+    manifest = writer.manifest
     if comm.rank == 0 and progress:
         print(summary_line(manifest, time.monotonic() - started))
     return manifest
 
 
-def summary_line(manifest: dict[str, Any], seconds: float) -> str:
+def summary_line(manifest: Manifest, seconds: float) -> str:
     """The closing line of a run: samples, tokens, bytes per token, the padded full-probability size for comparison,
     and the measured error of lossy keys."""
-    stats = manifest.get("stats", {})
-    total = int(manifest.get("total_bytes", 0)) + sum(int(r.get("bytes", 0)) for r in (manifest.get("side_files") or {}).values())
-    tokens = int(manifest.get("num_tokens", 0)) or 1
+    stats = manifest.stats
+    shard_bytes = manifest.total_bytes or 0
+    total = shard_bytes + sum(r.bytes for r in manifest.side_files.values())
+    tokens = manifest.num_tokens or 0
     padded = int(stats.get("padded_probs_bytes", 0))
     ratio = f"{padded / total:.1f}x smaller" if total else "-"
     skipped = stats.get("rows_skipped_no_assistant", 0) + stats.get("rows_skipped_bad", 0)
     return (
-        f"speccache: {manifest['num_samples']} samples ({skipped} rows skipped), {manifest.get('num_tokens', 0)} tokens, "
-        f"{_mb(total)} ({int(manifest.get('total_bytes', 0)) / tokens:.0f} bytes/token) in {seconds:.1f}s; "
-        f"padded full-probability layout would take {_mb(padded)} ({ratio})"
+        f"speccache: {manifest.num_samples} samples ({skipped} rows skipped), {tokens} tokens, "
+        f"{human_bytes(total)} ({shard_bytes / (tokens or 1):.0f} bytes/token) in {seconds:.1f}s; "
+        f"padded full-probability layout would take {human_bytes(padded)} ({ratio})"
         + "".join(
             f"; {key} error: relative RMS {e['rms']:.4f}, max {e['max']:.4f} of row amax"
             for key, e in sorted((stats.get("encoding_error") or {}).items())
         )
     )
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.2f} GB"
 
 
 class _Progress:
@@ -432,15 +476,13 @@ class _Progress:
         self.tokens += tokens
         elapsed = max(time.monotonic() - self.start, 1e-9)
         written = sum(r.bytes for r in list(records.values()))
-        self.bar.set_postfix_str(f"{self.tokens / elapsed:.0f} tok/s, {written / elapsed / 1e6:.1f} MB/s written", refresh=False)
+        self.bar.set_postfix_str(
+            f"{self.tokens / elapsed:.0f} tok/s, {written / elapsed / 1e6:.1f} MB/s written", refresh=False
+        )
         self.bar.update(samples)
 
     def close(self) -> None:
         self.bar.close()
-
-
-def _progress(total: int, enabled: bool) -> _Progress:
-    return _Progress(total, enabled)
 
 
 # ---------------------------------------------------------------------------
@@ -466,7 +508,9 @@ def register_commands(sub: Any) -> None:
     p.add_argument("--out", required=True, help="cache directory to write")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run with the same settings")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--model-dtype", default="auto", help="dtype to run the target in: auto (checkpoint), bf16, fp16, fp32")
+    p.add_argument(
+        "--model-dtype", default="auto", help="dtype to run the target in: auto (checkpoint), bf16, fp16, fp32"
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a rank waits for the others under torchrun")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(func=cmd_precompute)

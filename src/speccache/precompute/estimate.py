@@ -32,15 +32,24 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
-from speccache.eagle3 import CACHE_NAME, SIDE_FILE
-from speccache.encoding import get_encoding, part_name
-from speccache.format import OFFSETS_KEY, KeySpec, Schema, safetensors_prefix, shard_metadata
+from speccache.format import OFFSETS_KEY, KeySpec, Schema, get_encoding, part_name, safetensors_prefix
+from speccache.format.shard import shard_metadata
+from speccache.methods.eagle3 import CACHE_NAME, SIDE_FILE
+from speccache.units import human_bytes
 
-__all__ = ["ZBF16_HI_FRACTION", "key_parts", "estimate_shards", "side_file_bytes", "estimate_cache", "register_commands"]
+__all__ = [
+    "ZBF16_HI_FRACTION",
+    "key_parts",
+    "estimate_shards",
+    "side_file_bytes",
+    "estimate_cache",
+    "register_commands",
+]
 
 ZBF16_HI_FRACTION = (0.30, 0.50)
 """Low and high bound of a zbf16 key's compressed high plane, as a fraction of its raw size (one byte per value)."""
@@ -51,31 +60,22 @@ _ERROR_PLACEHOLDER = {"max": 0.03821656050955414, "sq_err": 115.24556454832772, 
 Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
-def key_parts(spec: KeySpec, num_samples: int, num_rows: int, hi_bytes: int = 0) -> Layout:
-    """Dtypes and shapes of the parts ``spec``'s encoding writes for a shard.
+def key_parts(spec: KeySpec, num_samples: int, num_rows: int, data_bytes: int = 0) -> Layout:
+    """Dtypes and shapes of the parts ``spec``'s encoding writes for a shard, as the encoding describes them.
 
     Args:
         spec: the key.
         num_samples: samples in the shard.
         num_rows: rows of a ragged key in the shard (ignored for a fixed key, which has one row per sample).
-        hi_bytes: size of a zbf16 key's compressed high plane.
-
-    Raises:
-        ValueError: an encoding this module does not know.
+        data_bytes: size of a data-dependent part (a zbf16 key's compressed high plane).
     """
     rows = num_rows if spec.ragged else num_samples
-    shape = (rows, *spec.shape)
-    if spec.encoding == "raw":
-        return {"": (spec.dtype, shape)}
-    if spec.encoding == "fp8":
-        return {"": (torch.float8_e4m3fn, shape), "scale": (torch.float32, (rows,))}
-    if spec.encoding == "zbf16":
-        return {"lo": (torch.uint8, shape), "hi": (torch.uint8, (hi_bytes,)), "hi_offsets": (torch.int64, (num_samples + 1,))}
-    raise ValueError(f"cannot estimate the size of encoding {spec.encoding!r} (key {spec.name!r})")
+    parts = get_encoding(spec.encoding).parts(spec.dtype, spec.shape)
+    return {suffix: (p.dtype, p.shape(rows, num_samples, data_bytes)) for suffix, p in parts.items()}
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def estimate_shards(
@@ -114,7 +114,12 @@ def estimate_shards(
         prefix, _ = safetensors_prefix(layout, shard_metadata(index, n, rows, stand_ins, errors))
         overhead += len(prefix) + (_nbytes(*layout[OFFSETS_KEY]) if ragged else 0)
         num_shards += 1
-    return {"keys": key_bytes, "overhead": overhead, "total": sum(key_bytes.values()) + overhead, "num_shards": num_shards}
+    return {
+        "keys": key_bytes,
+        "overhead": overhead,
+        "total": sum(key_bytes.values()) + overhead,
+        "num_shards": num_shards,
+    }
 
 
 def side_file_bytes(vocab_size: int, draft_vocab_size: int, hidden_size: int, weight_dtype: torch.dtype) -> int:
@@ -131,7 +136,7 @@ def side_file_bytes(vocab_size: int, draft_vocab_size: int, hidden_size: int, we
 
 
 def _weight_dtype(model_config: Any, model_dtype: str) -> torch.dtype:
-    from speccache.precompute import DTYPES
+    from speccache.precompute.run import DTYPES
 
     if model_dtype != "auto":
         return DTYPES[model_dtype]
@@ -158,13 +163,15 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
     Raises:
         ValueError, DataError, FileNotFoundError: what ``precompute`` would reject before loading the model.
     """
-    from speccache.precompute import DTYPES, make_plan, padded_probs_bytes
+    from speccache.precompute.run import DTYPES, make_plan, padded_probs_bytes
 
     plan = make_plan(cfg)
     lengths = [len(s.input_ids) for s in plan.samples]
     low = estimate_shards(plan.schema, lengths, cfg.shard_size, ZBF16_HI_FRACTION[0])
     high = estimate_shards(plan.schema, lengths, cfg.shard_size, ZBF16_HI_FRACTION[1])
-    side = side_file_bytes(plan.vocab_size, plan.draft_vocab_size, plan.hidden_size, _weight_dtype(plan.model_config, cfg.model_dtype))
+    side = side_file_bytes(
+        plan.vocab_size, plan.draft_vocab_size, plan.hidden_size, _weight_dtype(plan.model_config, cfg.model_dtype)
+    )
     tokens = sum(lengths)
     itemsize = torch.empty((), dtype=DTYPES[cfg.dtype]).element_size()
     return {
@@ -194,25 +201,20 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
         "total_bytes_high": high["total"] + side,
         "bytes_per_token_low": low["total"] / tokens,
         "bytes_per_token_high": high["total"] / tokens,
-        "padded_probs_bytes": padded_probs_bytes(len(lengths), cfg.max_length, plan.hidden_size, plan.draft_vocab_size, itemsize),
+        "padded_probs_bytes": padded_probs_bytes(
+            len(lengths), cfg.max_length, plan.hidden_size, plan.draft_vocab_size, itemsize
+        ),
         "zbf16_hi_fraction": list(ZBF16_HI_FRACTION),
     }
 
 
-def _size(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.{2 if unit == 'GB' else 1}f} {unit}"
-    return f"{int(n)} B"
-
-
-def _span(lo: float, hi: float, fmt: Any = _size) -> str:
+def _span(lo: float, hi: float, fmt: Any = human_bytes) -> str:
     return fmt(lo) if lo == hi else f"{fmt(lo)} - {fmt(hi)}"
 
 
 def format_estimate(est: Mapping[str, Any]) -> str:
     """The human-readable report of :func:`estimate_cache`."""
-    tokens = est["tokens"]
+    tokens, padded = est["tokens"], est["padded_probs_bytes"]
     per_token = lambda b: f"{b / tokens:.1f}"  # noqa: E731
     lines = [
         f"estimate   {est['samples']} samples, {tokens} tokens (max length {est['max_length']}) "
@@ -224,17 +226,19 @@ def format_estimate(est: Mapping[str, Any]) -> str:
             f"{name:<20} {k['dtype']:<10} {str(k['shape']):<10} {k['encoding']:<9} "
             f"{_span(k['bytes_low'], k['bytes_high']):>21} {_span(k['bytes_low'], k['bytes_high'], per_token):>13}"
         )
-    lines.append(f"{'headers, offsets':<51} {_size(est['overhead_bytes']):>21} {per_token(est['overhead_bytes']):>13}")
+    lines.append(
+        f"{'headers, offsets':<51} {human_bytes(est['overhead_bytes']):>21} {per_token(est['overhead_bytes']):>13}"
+    )
     exact = est["shard_bytes_low"] == est["shard_bytes_high"]
     lo, hi = est["zbf16_hi_fraction"]
     lines += [
         f"shards     {_span(est['shard_bytes_low'], est['shard_bytes_high'])} "
         f"({_span(est['bytes_per_token_low'], est['bytes_per_token_high'], lambda b: f'{b:.1f}')} bytes/token)"
         + ("" if exact else f"; zbf16 high bytes taken as {lo:.0%}-{hi:.0%} of their raw size"),
-        f"side file  {est['side_file']}: {_size(est['side_file_bytes'])}",
+        f"side file  {est['side_file']}: {human_bytes(est['side_file_bytes'])}",
         f"total      {_span(est['total_bytes_low'], est['total_bytes_high'])}",
-        f"padded full-probability layout would take {_size(est['padded_probs_bytes'])} "
-        f"({_span(est['padded_probs_bytes'] / est['total_bytes_high'], est['padded_probs_bytes'] / est['total_bytes_low'], lambda r: f'{r:.1f}x')} "
+        f"padded full-probability layout would take {human_bytes(est['padded_probs_bytes'])} "
+        f"({_span(padded / est['total_bytes_high'], padded / est['total_bytes_low'], lambda r: f'{r:.1f}x')} "
         "the size of this cache)",
     ]
     return "\n".join(lines)
@@ -242,7 +246,7 @@ def format_estimate(est: Mapping[str, Any]) -> str:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     """Run ``speccache estimate``."""
-    from speccache.precompute import PrecomputeConfig
+    from speccache.precompute.run import PrecomputeConfig
 
     est = estimate_cache(PrecomputeConfig.from_args(args))
     print(json.dumps(est, indent=2) if args.json else format_estimate(est))
@@ -251,7 +255,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 def register_commands(sub: Any) -> None:
     """Add ``estimate`` to the CLI."""
-    from speccache.precompute import add_precompute_arguments
+    from speccache.precompute.run import add_precompute_arguments
 
     p = sub.add_parser("estimate", help="predict a precompute's cache size without loading the model weights")
     add_precompute_arguments(p)

@@ -4,38 +4,62 @@ A shard of ``n`` samples holds, per key, the parts its encoding produces from
 the key's rows (``[n, *shape]`` for a fixed key, ``[tokens, *shape]`` for a
 ragged key) and, when any key is ragged, ``__offsets__`` (int64 ``[n + 1]``)
 so that sample ``i`` owns rows ``offsets[i]:offsets[i+1]`` of every ragged key.
-The safetensors metadata makes each shard self-describing (see
-:func:`speccache.format.shard_metadata`).
+The safetensors metadata makes each shard self-describing: format version,
+index, counts and per-tensor checksums (:func:`shard_metadata`).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
-from speccache.encoding import get_encoding, part_name
 from speccache.errors import CacheCorruptError, CacheFormatError
-from speccache.format import (
-    FORMAT_VERSION,
-    LENGTHS_KEY,
-    OFFSETS_KEY,
-    SHARD_META_CHECKSUMS,
-    SHARD_META_FORMAT,
-    SHARD_META_INDEX,
-    SHARD_META_SAMPLES,
-    KeySpec,
-    Schema,
-    ShardFile,
-    WrittenFile,
-    expected_parts,
-    shard_metadata,
-    tensor_checksum,
-    write_safetensors,
-)
+from speccache.format.durable import tensor_checksum
+from speccache.format.encoding import get_encoding, part_name
+from speccache.format.names import FORMAT_VERSION, LENGTHS_KEY, OFFSETS_KEY
+from speccache.format.safetensors_file import ShardFile, WrittenFile, write_safetensors
+from speccache.format.schema import Schema
+
+SHARD_META_FORMAT = "speccache_format"
+SHARD_META_INDEX = "shard_index"
+SHARD_META_SAMPLES = "num_samples"
+SHARD_META_ROWS = "num_rows"
+SHARD_META_CHECKSUMS = "xxh3_128"
+SHARD_META_ERROR = "encoding_error"
+"""Optional: JSON ``{key: {"sq_err", "sq_ref", "max"}}`` of each lossy key, so a resumed run still reports it."""
+
+
+def shard_metadata(
+    shard_index: int,
+    num_samples: int,
+    num_rows: int,
+    parts: Mapping[str, torch.Tensor],
+    encoding_error: Mapping[str, Mapping[str, float]] | None = None,
+) -> dict[str, str]:
+    """Safetensors metadata that makes a shard self-describing (version, index, counts, per-tensor checksums,
+    and the measured error of lossy keys when there are any)."""
+    checksums = {name: tensor_checksum(t) for name, t in sorted(parts.items())}
+    meta = {
+        SHARD_META_FORMAT: str(FORMAT_VERSION),
+        SHARD_META_INDEX: str(shard_index),
+        SHARD_META_SAMPLES: str(num_samples),
+        SHARD_META_ROWS: str(num_rows),
+        SHARD_META_CHECKSUMS: json.dumps(checksums, sort_keys=True, separators=(",", ":")),
+    }
+    if encoding_error:
+        meta[SHARD_META_ERROR] = json.dumps(encoding_error, sort_keys=True, separators=(",", ":"))
+    return meta
+
+
+def expected_parts(schema: Schema) -> set[str]:
+    """Names of every tensor a native shard of ``schema`` holds (offsets included when any key is ragged)."""
+    names = {OFFSETS_KEY} if any(s.ragged for s in schema.values()) else set()
+    for spec in schema.values():
+        names.update(part_name(spec.name, sfx) for sfx in get_encoding(spec.encoding).parts(spec.dtype, spec.shape))
+    return names
 
 
 def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
@@ -158,16 +182,64 @@ class NativeShard:
         shard_index: the index the shard must record.
         num_samples: the sample count the manifest expects, or ``None`` to accept the shard's own.
         verify: also check every tensor's xxh3-128 against the shard metadata.
+        expected_bytes: the file size the manifest's shard table records, or ``None`` (an unsealed cache).
 
     Raises:
         CacheCorruptError: truncated or damaged file, or (with ``verify``) checksum mismatch.
-        CacheFormatError: the shard does not match the schema or the manifest.
+        CacheFormatError: the shard does not match the schema or the manifest (another cache's shard).
     """
 
-    def __init__(self, path: str, schema: Schema, shard_index: int, num_samples: int | None, verify: bool = False) -> None:
+    def __init__(
+        self,
+        path: str,
+        schema: Schema,
+        shard_index: int,
+        num_samples: int | None,
+        verify: bool = False,
+        expected_bytes: int | None = None,
+    ) -> None:
         self.path = path
+        self.schema = schema
         self.file = ShardFile(path)
-        meta = self.file.metadata
+        try:
+            self._check_identity(shard_index, num_samples)
+            if verify:
+                verify_tensor_checksums(self.file)
+            have = set(self.file.keys())
+            self.fixed_offsets = torch.arange(self.num_samples + 1, dtype=torch.int64)
+            # a copy (n + 1 integers): no tensor of a refused shard may keep its mapping (and descriptor) alive
+            self.offsets = self.file.tensor(OFFSETS_KEY).clone() if OFFSETS_KEY in have else self.fixed_offsets
+            self._check_structure()
+            if expected_bytes is not None and self.file.size != expected_bytes:
+                raise CacheCorruptError(
+                    f"{path}: is {self.file.size} bytes, the manifest's shard table records {expected_bytes}: the file "
+                    "was replaced or changed after the cache was sealed (a cache regenerated in place, or a restored "
+                    "backup). Restart the reader on the new cache, or restore the shard."
+                )
+        except BaseException:
+            self.file.close()  # a refused shard keeps no descriptor while its exception lives
+            raise
+        self.row_offsets: list[int] = self.offsets.tolist()
+        self.parts = {
+            name: {sfx: self.file.tensor(part_name(name, sfx)) for sfx in _suffixes(have, name)} for name in schema
+        }
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the ragged keys in this shard (its sample count when no key is ragged)."""
+        return self.row_offsets[-1]
+
+    def encoding_error(self) -> dict[str, dict[str, float]]:
+        """The measured error sums of the shard's lossy keys, as its metadata records them (empty when none)."""
+        return json.loads(self.file.metadata.get(SHARD_META_ERROR, "{}"))
+
+    def close(self) -> None:
+        """Close the shard's file (tensors already handed out stay valid)."""
+        self.file.close()
+
+    def _check_identity(self, shard_index: int, num_samples: int | None) -> None:
+        """That this file is shard ``shard_index`` of this cache: version, index, tensors and counts."""
+        path, meta = self.path, self.file.metadata
         if meta.get(SHARD_META_FORMAT) != str(FORMAT_VERSION):
             raise CacheFormatError(
                 f"{path}: shard format {meta.get(SHARD_META_FORMAT)!r}, expected {FORMAT_VERSION}; "
@@ -178,7 +250,7 @@ class NativeShard:
                 f"{path}: records shard index {meta.get(SHARD_META_INDEX)}, but its name says {shard_index} "
                 "(a copied or renamed shard). Delete it and re-run the producer with --resume."
             )
-        want = expected_parts(schema)
+        want = expected_parts(self.schema)
         have = set(self.file.keys())
         if have != want:
             raise CacheFormatError(
@@ -190,23 +262,14 @@ class NativeShard:
             self.num_samples = int(meta.get(SHARD_META_SAMPLES, "-1"))
         except ValueError:
             raise CacheCorruptError(
-                f"{path}: shard metadata {SHARD_META_SAMPLES}={meta.get(SHARD_META_SAMPLES)!r} is not a count (damaged header)"
+                f"{path}: shard metadata {SHARD_META_SAMPLES}={meta.get(SHARD_META_SAMPLES)!r} "
+                "is not a count (damaged header)"
             ) from None
         if num_samples is not None and self.num_samples != num_samples:
             raise CacheFormatError(
                 f"{path}: holds {self.num_samples} samples, the manifest expects {num_samples}. "
                 "Delete the shard and re-run the producer with --resume."
             )
-        if verify:
-            verify_tensor_checksums(self.file)
-        self.schema = schema
-        self.fixed_offsets = torch.arange(self.num_samples + 1, dtype=torch.int64)
-        self.offsets = self.file.tensor(OFFSETS_KEY) if OFFSETS_KEY in have else self.fixed_offsets
-        self._check_structure()
-        self.row_offsets: list[int] = self.offsets.tolist()
-        self.parts = {
-            name: {sfx: self.file.tensor(part_name(name, sfx)) for sfx in _suffixes(have, name)} for name in schema
-        }
 
     def _check_structure(self) -> None:
         offsets = self.offsets
@@ -215,47 +278,38 @@ class NativeShard:
         if self.num_samples and (int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any())):
             raise CacheCorruptError(f"{self.path}: {OFFSETS_KEY} are not non-decreasing from 0 (damaged shard)")
         for name, spec in self.schema.items():
-            if spec.encoding != "raw":
-                for suffix, (dtype, trailing) in _part_layout(spec).items():
-                    part = part_name(name, suffix)
-                    found_dtype, shape, _, _ = self.file.entries[part]
-                    if found_dtype != dtype or len(shape) != 1 + len(trailing) or shape[1:] != trailing:
-                        raise CacheFormatError(
-                            f"{self.path}: part {part!r} is {found_dtype} {list(shape)}, but key {name!r} of the manifest "
-                            f"({spec.encoding} {spec.dtype} {list(spec.shape)}) needs {dtype} [rows, {', '.join(map(str, trailing))}]. "
-                            "Delete the shard and re-run the producer with --resume."
-                        )
-                continue
-            t = self.file.tensor(name)
             rows = int(offsets[-1]) if spec.ragged else self.num_samples
-            if t.dtype != spec.dtype or tuple(t.shape) != (rows, *spec.shape):
-                raise CacheFormatError(
-                    f"{self.path}: key {name!r} is {t.dtype} {list(t.shape)}, the manifest says {spec.dtype} "
-                    f"[{rows}, {', '.join(map(str, spec.shape))}]. Delete the shard and re-run the producer with --resume."
-                )
+            for suffix, layout in get_encoding(spec.encoding).parts(spec.dtype, spec.shape).items():
+                part = part_name(name, suffix)
+                found_dtype, shape, _, _ = self.file.entries[part]
+                want = layout.shape(rows, self.num_samples, shape[0] if shape else 0)
+                if found_dtype != layout.dtype or shape != want:
+                    raise CacheFormatError(
+                        f"{self.path}: key {name!r} is {found_dtype} {list(shape)}, the manifest says {spec.dtype} "
+                        f"{list(want)}. Delete the shard and re-run the producer with --resume."
+                        if not suffix
+                        else f"{self.path}: part {part!r} is {found_dtype} {list(shape)}"
+                        f", but key {name!r} of the manifest "
+                        f"({spec.encoding} {spec.dtype} {list(spec.shape)}) needs {layout.dtype} {list(want)}. "
+                        "Delete the shard and re-run the producer with --resume."
+                    )
 
     def rows(self, name: str, start: int, end: int) -> torch.Tensor:
         """Rows of samples ``[start, end)`` of key ``name``; may be a view of the mapping."""
         spec = self.schema[name]
-        if spec.encoding == "raw":
-            # The raw decode with Python offsets: indexing the offsets tensor costs more than the slice.
+        encoding = get_encoding(spec.encoding)
+        if encoding.zero_copy:
+            # The rows as stored, sliced with Python offsets: indexing the offsets tensor costs more than the slice.
             part = self.parts[name][""]
             return part[self.row_offsets[start] : self.row_offsets[end]] if spec.ragged else part[start:end]
         offsets = self.offsets if spec.ragged else self.fixed_offsets
         try:
-            return get_encoding(spec.encoding).decode(self.parts[name], offsets, start, end, spec.dtype)
+            return encoding.decode(self.parts[name], offsets, start, end, spec.dtype)
         except ValueError as exc:  # an encoding's parts disagree with each other: damaged data
             raise CacheCorruptError(
-                f"{self.path}: key {name!r} cannot be decoded ({exc}). Delete the shard and re-run the producer with --resume."
+                f"{self.path}: key {name!r} cannot be decoded ({exc}). "
+                "Delete the shard and re-run the producer with --resume."
             ) from exc
-
-
-@functools.lru_cache(maxsize=None)
-def _part_layout(spec: KeySpec) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """Dtype and trailing shape (after the first dimension) of each part of ``spec``'s encoding, from encoding no rows."""
-    rows = torch.empty((0, *spec.shape), dtype=spec.dtype)
-    parts = get_encoding(spec.encoding).encode(rows, torch.zeros(2, dtype=torch.int64))
-    return {suffix: (part.dtype, tuple(part.shape[1:])) for suffix, part in parts.items()}
 
 
 def _block_error(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> tuple[float, float, float]:

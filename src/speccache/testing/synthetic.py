@@ -2,26 +2,23 @@
 
 It writes what an EAGLE-3 cache holds (ragged ``input_ids``, ``loss_mask``,
 ``hidden`` rows and a fixed ``sample_id``) from a seeded generator, through the
-same :class:`speccache.cache_writer.CacheWriter` lifecycle as the real
+same :class:`speccache.write.CacheWriter` lifecycle as the real
 producers. Tests, benchmarks and the crash harness use it where a model would
-only cost time; ``python -m speccache.synthetic OUT`` runs it as a process, and
-``torchrun --nproc_per_node N -m speccache.synthetic OUT`` as N ranks (docs/distributed.md).
+only cost time; ``python -m speccache.testing.synthetic OUT`` runs it as a process, and
+``torchrun --nproc_per_node N -m speccache.testing.synthetic OUT`` as N ranks (docs/distributed.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from speccache.cache_writer import CacheWriter
-from speccache.dist import Comm, init_from_env, shutdown
-from speccache.format import LENGTHS_KEY, KeySpec, Schema
-from speccache.write import OverlappedShardWriter, compute_shard_runs
+from speccache.format import LENGTHS_KEY, KeySpec, Manifest, Schema
+from speccache.write import CacheWriter, Comm, compute_shard_runs, init_from_env, shutdown
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +54,7 @@ def collate_samples(items: list[dict[str, Any]]) -> dict[str, Any]:
     return {"items": items}
 
 
-def make_compute(hidden: int, dtype: torch.dtype, seed: int):  # noqa: ANN201 - a closure
+def make_compute(hidden: int, dtype: torch.dtype, seed: int):
     """The synthetic 'forward': hidden rows seeded by the sample index, like a deterministic target."""
 
     def compute(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -94,30 +91,43 @@ def write_synthetic_cache(
     resume: bool = False,
     overlap: bool = True,
     comm: Comm | None = None,
-) -> dict[str, Any]:
+) -> Manifest:
     """Write a synthetic cache at ``out`` and return its sealed manifest."""
     schema = synthetic_schema(hidden, encoding=encoding)
-    config = {"method": "synthetic", "seed": seed, "hidden": hidden, "min_len": min_len, "max_len": max_len, "batch_size": batch_size}
+    config = {
+        "method": "synthetic",
+        "seed": seed,
+        "hidden": hidden,
+        "min_len": min_len,
+        "max_len": max_len,
+        "batch_size": batch_size,
+    }
     writer = CacheWriter(
-        out, cache_name="synthetic", schema=schema, shard_size=shard_size, num_samples=num_samples, config=config, resume=resume, comm=comm
+        out,
+        cache_name="synthetic",
+        schema=schema,
+        shard_size=shard_size,
+        num_samples=num_samples,
+        config=config,
+        resume=resume,
+        comm=comm,
     )
-    loader = DataLoader(SyntheticSamples(num_samples, min_len, max_len, seed), batch_size=batch_size, collate_fn=collate_samples)
+    loader = DataLoader(
+        SyntheticSamples(num_samples, min_len, max_len, seed), batch_size=batch_size, collate_fn=collate_samples
+    )
     compute = make_compute(hidden, torch.bfloat16, seed)
     ragged = [k for k, s in schema.items() if s.ragged]
-    todo = writer.begin()  # from here on, every exit path releases the lock (close or seal)
     sync = writer.comm.max_int if writer.comm.world_size > 1 else None
-    try:
-        with OverlappedShardWriter(writer.shard_writer) if overlap else nullcontext(writer.shard_writer) as write_fn:
-            compute_shard_runs(loader, out, shard_size, todo, compute, write_fn, log, ragged_keys=ragged, sync_max_steps=sync)
-    except BaseException:
-        writer.close()
-        raise
-    return writer.seal()
+    with writer.writing(overlap=overlap) as run:
+        compute_shard_runs(
+            loader, out, shard_size, run.shards, compute, run.write_shard, log, ragged_keys=ragged, sync_max_steps=sync
+        )
+    return writer.manifest
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m speccache.synthetic OUT [--samples N] ...``: write a synthetic cache."""
-    p = argparse.ArgumentParser(prog="python -m speccache.synthetic", description=main.__doc__)
+    """``python -m speccache.testing.synthetic OUT [--samples N] ...``: write a synthetic cache."""
+    p = argparse.ArgumentParser(prog="python -m speccache.testing.synthetic", description=main.__doc__)
     p.add_argument("out")
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--shard-size", type=int, default=8)
@@ -128,14 +138,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--encoding", default="raw")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--sync", action="store_true", help="write shards synchronously")
-    p.add_argument("--timeout", type=float, default=1800.0,
-                   help="under torchrun: seconds a rank waits for the others (joining, and at each collective) before failing")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="under torchrun: seconds a rank waits for the others (joining, and at each collective) before failing",
+    )
     a = p.parse_args(argv)
     comm = init_from_env(torch.device("cpu"), a.timeout)
     try:
         write_synthetic_cache(
-            a.out, num_samples=a.samples, shard_size=a.shard_size, batch_size=a.batch_size, hidden=a.hidden,
-            max_len=a.max_len, seed=a.seed, encoding=a.encoding, resume=a.resume, overlap=not a.sync, comm=comm,
+            a.out,
+            num_samples=a.samples,
+            shard_size=a.shard_size,
+            batch_size=a.batch_size,
+            hidden=a.hidden,
+            max_len=a.max_len,
+            seed=a.seed,
+            encoding=a.encoding,
+            resume=a.resume,
+            overlap=not a.sync,
+            comm=comm,
         )
     finally:
         shutdown(comm)

@@ -37,12 +37,14 @@ copied.
 from __future__ import annotations
 
 import operator
-from typing import Callable, Iterator, Sized
+import os
+from collections.abc import Callable, Iterator, Sized
+from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler
 
-__all__ = ["LocalityShuffleSampler"]
+__all__ = ["LocalityShuffleSampler", "distributed_position"]
 
 _CHECKED = ("seed", "window", "shard_size", "num_samples", "world_size", "drop_last")
 
@@ -91,11 +93,20 @@ class LocalityShuffleSampler(Sampler[int]):
         if num_samples < 0:
             raise ValueError(f"dataset length must be >= 0, got {num_samples}")
         prefetch_ahead = 4 * shard_size if prefetch_ahead is None else prefetch_ahead
-        checked = (("shard_size", shard_size), ("window", window), ("world_size", world_size), ("prefetch_ahead", prefetch_ahead))
-        for name, value in checked:
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
+        shard_size, window, world_size, prefetch_ahead = (
+            _positive(name, value)
+            for name, value in (
+                ("shard_size", shard_size),
+                ("window", window),
+                ("world_size", world_size),
+                ("prefetch_ahead", prefetch_ahead),
+            )
+        )
+        try:
+            rank = operator.index(rank)
+        except TypeError:
+            rank = -1
+        if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank!r} must be in [0, {world_size})")
         self.num_samples = num_samples
         self.shard_size = shard_size
@@ -172,6 +183,7 @@ class LocalityShuffleSampler(Sampler[int]):
         Raises:
             ValueError: ``consumed`` outside ``[0, per_rank]``.
         """
+        consumed = operator.index(consumed)  # a 0-d integer tensor or numpy integer becomes a JSON-able int
         if not 0 <= consumed <= self.per_rank:
             raise ValueError(f"consumed={consumed} must be in [0, {self.per_rank}] (samples of this rank's epoch)")
         return {
@@ -204,3 +216,33 @@ class LocalityShuffleSampler(Sampler[int]):
             raise ValueError(f"consumed={consumed} must be in [0, {self.per_rank}] (samples of this rank's epoch)")
         self.epoch = int(state["epoch"])
         self.start = consumed
+
+
+def _positive(name: str, value: Any) -> int:
+    try:
+        value = operator.index(value)
+    except TypeError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def distributed_position() -> tuple[int, int]:
+    """``(rank, world_size)`` of the initialised default process group, for a sampler that splits data across ranks.
+
+    Raises:
+        RuntimeError: no process group is initialised: under torchrun every rank would otherwise read the
+            whole dataset in the same order. Call ``torch.distributed.init_process_group`` first, or pass
+            ``rank`` and ``world_size`` yourself.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    launched = os.environ.get("WORLD_SIZE")
+    raise RuntimeError(
+        "distributed=True needs an initialised torch.distributed process group"
+        + (f" (WORLD_SIZE={launched} is set: this process was started by torchrun)" if launched else "")
+        + ": call torch.distributed.init_process_group() before building the loader, or pass rank= and world_size=."
+    )

@@ -1,0 +1,97 @@
+"""Names and counts of a cache directory: file names, shard numbering, reserved tensor names, limits.
+
+Every rule about what a file in a cache is called, and how many samples shard
+``i`` holds, lives here.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+import re
+
+from speccache.errors import CacheFormatError
+
+FORMAT_VERSION = 1
+"""Version of the native layout (key schema, offsets, shard table). See docs/format.md."""
+
+MANIFEST_NAME = "manifest.json"
+SHARD_RE = re.compile(r"^shard-([0-9]{6})\.safetensors\Z")
+r"""Shard file names: exactly six ASCII digits (``\Z``, not ``$``, so a trailing newline is no match)."""
+TMP_MARK = ".tmp-"
+"""Temporary files are ``<final name>.tmp-<host>-<pid>-<random>``; no reader matches them."""
+OFFSETS_KEY = "__offsets__"
+"""Shard tensor: int64 ``[n + 1]`` row offsets shared by every ragged key."""
+LENGTHS_KEY = "__lengths__"
+"""In-memory batch entry: int64 ``[n]`` per-sample lengths of the ragged keys."""
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_ELEMENTS = 2**62
+"""Bound on a tensor's element count (of its non-zero dimensions): beyond it torch's strides overflow."""
+MAX_SHARDS = 1_000_000
+"""Shard names have six digits."""
+
+
+def shard_path(cache_dir: str, shard_index: int) -> str:
+    """Return the path of shard ``shard_index`` inside ``cache_dir``."""
+    return os.path.join(cache_dir, f"shard-{shard_index:06d}.safetensors")
+
+
+def manifest_path(cache_dir: str) -> str:
+    """Return the manifest path inside ``cache_dir``."""
+    return os.path.join(cache_dir, MANIFEST_NAME)
+
+
+def existing_shard_indices(cache_dir: str) -> set[int]:
+    """Return the indices of the shards present in ``cache_dir`` (empty if it does not exist)."""
+    if not os.path.isdir(cache_dir):
+        return set()
+    return {int(m.group(1)) for m in map(SHARD_RE.match, os.listdir(cache_dir)) if m is not None}
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for integers."""
+    return -(-a // b)
+
+
+def check_shard_size(shard_size: int) -> None:
+    """Raise ``ValueError`` unless ``shard_size`` is an integer ``>= 1`` (numpy integers included)."""
+    if isinstance(shard_size, bool) or not isinstance(shard_size, numbers.Integral) or shard_size < 1:
+        raise ValueError(f"shard_size must be an integer >= 1, got {shard_size!r}")
+
+
+def num_shards(num_samples: int, shard_size: int) -> int:
+    """Number of shards ``num_samples`` samples fill at ``shard_size`` per shard."""
+    check_shard_size(shard_size)
+    return ceil_div(num_samples, shard_size)
+
+
+def shard_samples(index: int, num_samples: int, shard_size: int) -> int:
+    """Samples in shard ``index`` of a cache of ``num_samples`` (all full but the last)."""
+    return max(0, min(shard_size, num_samples - index * shard_size))
+
+
+def validate_contiguous_shards(cache_dir: str, cache_name: str, num_samples: int, shard_size: int) -> list[int]:
+    """Return ``[0..N-1]`` for ``N = ceil(num_samples / shard_size)`` shards, checking they are all there.
+
+    Raises:
+        CacheFormatError: shards are missing, extra or not contiguous; the message lists them.
+    """
+    indices = sorted(existing_shard_indices(cache_dir))
+    expected = num_shards(num_samples, shard_size)
+    if indices != list(range(expected)):
+        present = set(indices)
+        missing = sorted(set(range(expected)) - present)
+        extra = sorted(present - set(range(expected)))
+        raise CacheFormatError(
+            f"{cache_name} cache at {cache_dir} declares {num_samples} samples ({expected} shards of {shard_size}) "
+            f"but found shard indices {_short(indices)} (missing {_short(missing)}, unexpected {_short(extra)}). "
+            "Re-run the producer with --resume to write missing shards; remove unexpected shards only if they are "
+            "not from this cache."
+        )
+    return indices
+
+
+def _short(items: list[int], limit: int = 20) -> str:
+    if len(items) <= limit:
+        return str(items)
+    return f"[{', '.join(map(str, items[:limit]))}, ... ({len(items)} in all)]"

@@ -1,0 +1,583 @@
+"""Reading caches: a lazy map-style dataset and the collators that batch its samples.
+
+:class:`CacheDataset` reads the manifest and lists the directory once; shards
+are opened (one ``mmap`` each) on first use in each process, kept in an LRU of
+``max_open_shards``, and never pickled, so DataLoader workers of any start
+method each open their own. ``__getitems__`` (used by the DataLoader for a whole
+batch) returns :class:`SampleView` objects, which only record where each sample
+lies; the collators then read each sample's bytes once, straight from the shard
+file into the batch tensors: long runs with ``pread`` (faulting a fresh mapping
+in costs about as much as the copy itself), the uncached ones of a batch
+announced to the kernel together so that the disk reads them in parallel;
+short runs from the mapping. :meth:`CacheDataset.prefetch` lets a sampler
+announce the next samples while a batch is read.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import operator
+import os
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from speccache.errors import CacheCorruptError, CacheFormatError, CacheIncompleteError
+from speccache.format import (
+    Manifest,
+    NativeShard,
+    Schema,
+    bytes_view,
+    existing_shard_indices,
+    file_checksum,
+    get_encoding,
+    manifest_path,
+    num_shards,
+    shard_path,
+    validate_contiguous_shards,
+)
+
+Sample = dict[str, torch.Tensor]
+
+__all__ = ["CacheDataset", "Sample", "SampleView"]
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """How one key's samples are laid out: ``shape`` is per row of a ragged key, per sample of a fixed one."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    ragged: bool
+    row_bytes: int
+
+
+def _key_layout(dtype: torch.dtype, shape: tuple[int, ...], ragged: bool) -> KeyLayout:
+    return KeyLayout(dtype, tuple(shape), ragged, math.prod(shape) * dtype.itemsize)
+
+
+class _OpenShard:
+    """A shard opened by a :class:`CacheDataset`: its decoder plus what reading raw rows from the file needs."""
+
+    __slots__ = ("shard", "path", "keys", "infos", "bases", "mapped", "long", "row_offsets", "fd", "size")
+
+    def __init__(
+        self, shard: NativeShard, keys: tuple[str, ...], infos: dict[str, KeyLayout], raw: Sequence[str]
+    ) -> None:
+        self.shard = shard
+        self.size = shard.file.size
+        self.path: str = shard.path
+        self.keys = keys
+        self.infos = infos
+        entries = shard.file.entries
+        self.bases: dict[str, int | None] = {k: None for k in keys}
+        """File offset of each raw key's first row; ``None`` for an encoded key (decoded through the shard)."""
+        self.bases.update({k: shard.file.data_start + entries[k][2] for k in raw})
+        self.mapped = {k: bytes_view(shard.file.tensor(k)) for k in raw}
+        """The bytes of each raw key in the shard's mapping."""
+        self.row_offsets: list[int] = shard.row_offsets
+        most = max((b - a for a, b in zip(self.row_offsets, self.row_offsets[1:])), default=0)
+        self.long = {
+            k: shard.file.data_start + entries[k][2]
+            for k in raw
+            if (most if infos[k].ragged else 1) * infos[k].row_bytes >= _PREAD_BYTES
+        }
+        """File offsets of the raw keys with samples long enough for ``pread`` (which ``prefetch`` announces)."""
+        self.fd: int = shard.file.handle.fileno()  # the file the mapping shows, kept open by the shard
+
+    def span(self, key: str, local: int) -> tuple[int, int]:
+        """Byte range of sample ``local``'s rows of raw key ``key``, from the key's first row."""
+        info = self.infos[key]
+        if info.ragged:
+            return self.row_offsets[local] * info.row_bytes, self.row_offsets[local + 1] * info.row_bytes
+        return local * info.row_bytes, (local + 1) * info.row_bytes
+
+    def check_size(self) -> None:
+        """Refuse to touch the mapping of a file that shrank since it was opened (a read past its end is SIGBUS).
+
+        Raises:
+            CacheCorruptError: the file is shorter than when it was opened.
+        """
+        size = os.fstat(self.fd).st_size
+        if size < self.size:
+            raise CacheCorruptError(
+                f"{self.path}: the file shrank from {self.size} to {size} bytes while it was open (truncated, or "
+                "overwritten by a copy). Restore the shard, or re-run the producer with --resume, "
+                "then restart the reader."
+            )
+
+    def sample(self, key: str, local: int) -> torch.Tensor:
+        """Sample ``local``'s tensor of ``key``, in memory of its own (never a view of the mapping)."""
+        self.check_size()
+        rows = self.shard.rows(key, local, local + 1)
+        if self.bases[key] is not None:  # a view of the mapping: copy, so that the caller's edits stay the caller's
+            rows = rows.clone()
+        return rows if self.infos[key].ragged else rows[0]
+
+
+class SampleView(MutableMapping[str, torch.Tensor]):
+    """One sample of a :class:`CacheDataset`, as returned by ``__getitems__``: a dict of tensors made on access.
+
+    Reading a key returns a tensor of its own (copied out of the shard, or decoded), so
+    editing it in place never changes what later reads return; keys can be set and
+    removed like a dict's. Collators copy the keys left as read straight from the shard
+    file into the batch, so a batch costs no per-sample tensors. Pickling turns it into
+    a plain ``dict``.
+    """
+
+    __slots__ = ("_shard", "_local", "_keys", "_set")
+
+    def __init__(self, shard: _OpenShard, local: int) -> None:
+        self._shard = shard
+        self._local = local
+        self._keys = shard.keys
+        self._set: dict[str, torch.Tensor] | None = None
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if self._set is not None and key in self._set:
+            return self._set[key]
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._shard.sample(key, self._local)
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        if self._set is None:
+            self._set = {}
+        if key not in self._keys:
+            self._keys = (*self._keys, key)
+        self._set[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        if key not in self._keys:
+            raise KeyError(key)
+        self._keys = tuple(k for k in self._keys if k != key)
+        if self._set is not None:
+            self._set.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (dict, (dict(self.items()),))
+
+    def __repr__(self) -> str:
+        return f"SampleView({self._shard.path}, sample {self._local}, keys={list(self._keys)})"
+
+    def _as_read(self, key: str) -> bool:
+        """Whether ``key`` holds the shard's data (present, never set)."""
+        return key in self._keys and (self._set is None or key not in self._set)
+
+
+# ---------------------------------------------------------------------------
+# reading rows from the shard files
+
+
+_PREAD_BYTES = 64 << 10
+"""Runs of rows at least this long are read with ``pread`` (the uncached ones announced first, ``POSIX_FADV_WILLNEED``).
+
+Shorter ones are copied from the mapping: a syscall each would cost more than the
+copy, and a fault on a cold page reads its neighbours too (read-around).
+"""
+
+_advise = getattr(os, "posix_fadvise", None)
+_ADVICE_BYTES = 128 << 10
+"""The kernel reads at most its read-ahead size (128 KiB by default) per ``WILLNEED``: longer ranges go in pieces."""
+
+
+def _will_need(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start reading ``[offset, offset + nbytes)`` of ``fd`` into the page cache."""
+    if _advise is None:
+        return
+    end = offset + nbytes
+    while offset < end:
+        _advise(fd, offset, min(_ADVICE_BYTES, end - offset), os.POSIX_FADV_WILLNEED)
+        offset += _ADVICE_BYTES
+
+
+_NOWAIT = [getattr(os, "RWF_NOWAIT", 0)]
+"""``RWF_NOWAIT`` while the kernel and file system take it (a one-element list: switched off on the first refusal)."""
+
+
+def _cached_prefix(source: _OpenShard, dst: memoryview, offset: int) -> int:
+    """Read what the page cache holds of ``dst``'s range without waiting for the disk; the bytes read."""
+    if not _NOWAIT[0]:
+        return 0
+    try:
+        return os.preadv(source.fd, [dst], offset, _NOWAIT[0])
+    except BlockingIOError:
+        return 0
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        _NOWAIT[0] = 0
+        return 0
+
+
+def _pread_into(source: _OpenShard, dst: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(dst):
+        got = os.preadv(source.fd, [dst[done:]], offset + done)
+        if got <= 0:
+            raise CacheCorruptError(
+                f"{source.path}: ends before byte {offset + len(dst)} that its header promises "
+                "(truncated while open?). "
+                "Delete the shard and re-run the producer with --resume."
+            )
+        done += got
+
+
+class CacheDataset(Dataset):
+    """A native cache directory as a map-style dataset of per-sample tensor dicts.
+
+    Fixed keys come back with their per-sample shape, ragged keys at each
+    sample's true length ``[T, *shape]``. Every tensor handed out is the caller's
+    own. ``__getitems__`` (what a DataLoader calls for a batch) returns
+    :class:`SampleView` objects; ``ds[i]`` is ``dict(ds.__getitems__([i])[0])``, so a
+    subclass customises samples by overriding ``__getitems__`` alone.
+
+    Each shard's identity is checked whenever it is (re)opened: its size against the
+    manifest's shard table, its recorded index and counts against the manifest, and the
+    manifest file against the one this reader started from, so that a cache regenerated
+    in place, or a shard replaced or truncated, raises :class:`CacheCorruptError` instead
+    of mixing data. ``verify`` adds the full checksum, once per process and shard.
+
+    Args:
+        cache_dir: the cache directory.
+        keys: keys to read (default: every key of the schema); a single name is one key.
+        cache_name: kind of cache expected; default: whatever the manifest says.
+        verify: check each shard's checksum the first time this process opens it.
+        max_open_shards: LRU bound on open shards per process.
+        allow_incomplete: read the whole shards of an unsealed cache (the contiguous prefix).
+
+    Raises:
+        FileNotFoundError: no manifest.
+        CacheFormatError: wrong version or cache name, malformed or seed-layout manifest, unknown keys,
+            missing or extra shards.
+        CacheIncompleteError: the cache is not sealed and ``allow_incomplete`` is off.
+    """
+
+    def __init__(
+        self,
+        cache_dir: str,
+        keys: Sequence[str] | str | None = None,
+        *,
+        cache_name: str | None = None,
+        verify: bool = False,
+        max_open_shards: int = 64,
+        allow_incomplete: bool = False,
+    ) -> None:
+        try:
+            max_open_shards = operator.index(max_open_shards)
+        except TypeError:
+            raise TypeError(f"max_open_shards must be an integer, got {max_open_shards!r}") from None
+        if max_open_shards < 1:
+            raise ValueError(f"max_open_shards must be >= 1, got {max_open_shards}")
+        self.cache_dir = cache_dir
+        self._manifest_stat = _identity(manifest_path(cache_dir))
+        self.manifest = Manifest.read(cache_dir, cache_name)
+        self.cache_name = self.manifest.cache_name
+        self.shard_size, self.num_samples = self.manifest.shard_size, self.manifest.num_samples
+        self.verify = verify
+        self.max_open_shards = max_open_shards
+        schema = self.manifest.schema
+        keys = self._stored_keys([keys] if isinstance(keys, str) else list(schema) if keys is None else list(keys))
+        self.schema: Schema = {k: schema[k] for k in keys}
+        self.keys: tuple[str, ...] = tuple(keys)
+        if not self.manifest.complete:
+            if not allow_incomplete:
+                raise CacheIncompleteError(
+                    f"cache at {cache_dir} is not complete: it is still being written or its writer was interrupted. "
+                    "Finish it by re-running the same precompute command with --resume (or pass allow_incomplete=True "
+                    "to read its whole shards)."
+                )
+            self.num_samples = _complete_prefix(cache_dir, self.num_samples, self.shard_size)
+        else:
+            validate_contiguous_shards(cache_dir, self.cache_name, self.num_samples, self.shard_size)
+        self._open: OrderedDict[int, _OpenShard] = OrderedDict()
+        self._verified: set[int] = set()
+        self._infos: dict[tuple[tuple[str, KeyLayout], ...], dict[str, KeyLayout]] = {}
+
+    def _stored_keys(self, keys: list[str]) -> list[str]:
+        """The stored keys to read for the keys a caller asked for (a subclass adds what its derived fields need).
+
+        Raises:
+            CacheFormatError: a key the cache does not hold.
+        """
+        unknown = [k for k in keys if k not in self.manifest.schema]
+        if unknown:
+            raise CacheFormatError(
+                f"{self.cache_dir}: keys {unknown} are not in the cache; it holds {sorted(self.manifest.schema)}"
+            )
+        return keys
+
+    @property
+    def ragged_keys(self) -> frozenset[str]:
+        """Keys whose samples have their own number of rows."""
+        return frozenset(k for k, s in self.schema.items() if s.ragged)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_open"] = OrderedDict()
+        state["_verified"] = set()  # another process verifies for itself
+        return state
+
+    def _shard(self, index: int) -> NativeShard:
+        """The open shard ``index``."""
+        return self._open_shard(index).shard
+
+    def _open_shard(self, index: int) -> _OpenShard:
+        opened = self._open.get(index)
+        if opened is not None:
+            self._open.move_to_end(index)
+            return opened
+        path = shard_path(self.cache_dir, index)
+        self._check_manifest_unchanged(path)
+        record = self.manifest.shards.get(index)
+        verify = self.verify and index not in self._verified
+        if verify and record is not None and file_checksum(path) != record.checksum:
+            raise CacheCorruptError(
+                f"{path}: file checksum differs from the manifest's shard table (damaged or replaced shard). "
+                "Delete it and re-run the producer with --resume."
+            )
+        try:
+            shard = NativeShard(
+                path,
+                self.manifest.schema,
+                index,
+                self.manifest.shard_samples(index),
+                verify=verify and record is None,
+                expected_bytes=record.bytes if record is not None else None,
+            )
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise OSError(
+                    exc.errno,
+                    f"cannot open {path}: too many open files ({exc.strerror}). Each open shard holds two file "
+                    f"descriptors and each DataLoader worker keeps up to max_open_shards={self.max_open_shards} open: "
+                    "lower max_open_shards or num_workers, or raise the limit (ulimit -n).",
+                ) from exc
+            raise
+        if verify:
+            self._verified.add(index)
+        opened = self._wrap(shard)
+        self._open[index] = opened
+        if len(self._open) > self.max_open_shards:
+            self._open.popitem(last=False)  # closed once no sample of an in-flight batch refers to it
+        return opened
+
+    def _check_manifest_unchanged(self, path: str) -> None:
+        """Refuse to open ``path`` if the cache was rewritten with another configuration since this reader started.
+
+        The writer of the same run (sealing, or resuming) rewrites the manifest too; its shards are the
+        same bytes whoever writes them, so the new manifest (now perhaps sealed) is adopted instead.
+        """
+        current = _identity(manifest_path(self.cache_dir))
+        if current == self._manifest_stat:
+            return
+        try:
+            found = Manifest.read(self.cache_dir, self.cache_name)
+        except (FileNotFoundError, CacheFormatError):
+            found = None
+        if found is None or found.resume_identity() != self.manifest.resume_identity():
+            raise CacheCorruptError(
+                f"{manifest_path(self.cache_dir)} changed since this reader opened the cache (the cache was rewritten "
+                f"in place with another configuration), so {os.path.basename(path)} may belong to another cache. "
+                "Restart the reader."
+            )
+        self.manifest, self._manifest_stat = found, current
+
+    def _wrap(self, shard: NativeShard) -> _OpenShard:
+        infos = {k: _key_layout(s.dtype, s.shape, s.ragged) for k, s in self.schema.items()}
+        raw = [k for k in self.keys if get_encoding(self.schema[k].encoding).zero_copy]
+        # Shards with the same layout share one dict, so a collator checks a batch with one identity test per sample.
+        infos = self._infos.setdefault(tuple(infos.items()), infos)
+        return _OpenShard(shard, self.keys, infos, raw)
+
+    def __getitem__(self, index: int) -> Sample:
+        """One sample as a plain dict of tensors the caller owns (what ``__getitems__`` returns for it)."""
+        return dict(self.__getitems__([index])[0])
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
+        """Samples at ``indices`` (in that order) as :class:`SampleView` objects."""
+        if isinstance(indices, torch.Tensor):
+            indices = indices.tolist()
+        out: list[Sample] = []
+        for index in indices:
+            shard, local = self._split(index)
+            out.append(SampleView(self._open_shard(shard), local))
+        return out
+
+    def _split(self, index: int) -> tuple[int, int]:
+        """``(shard, sample within the shard)`` of sample ``index`` (negative counts from the end).
+
+        Raises:
+            TypeError: ``index`` is not an integer (``1.7`` is not sample 1).
+            IndexError: out of range.
+        """
+        try:
+            i = operator.index(index)
+        except TypeError:
+            raise TypeError(f"sample indices must be integers, got {index!r}") from None
+        if i < 0:
+            i += self.num_samples
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample index {index} out of range for a cache of {self.num_samples} samples")
+        return divmod(i, self.shard_size)
+
+    def prefetch(self, indices: Iterable[int]) -> None:
+        """Ask the kernel to start reading these samples' long raw rows into the page cache; returns at once.
+
+        The ``prefetch`` hook of :class:`speccache.read.sampler.LocalityShuffleSampler`, which
+        announces the next samples while the current batch is read, so that the disk
+        never waits for the reader. Only reads that would go to ``pread`` and are not
+        cached are announced; short ones rely on the kernel's read-around of the mapping.
+        """
+        probe = memoryview(bytearray(1))
+        for index in indices:
+            shard, local = self._split(index)
+            opened = self._open_shard(shard)
+            for key, base in opened.long.items():
+                start, end = opened.span(key, local)
+                if end - start >= _PREAD_BYTES and not _cached_prefix(opened, probe, base + start):
+                    _will_need(opened.fd, base + start, end - start)
+
+    def sample_lengths(self) -> list[int]:
+        """Rows of each sample's ragged keys (all 1 when no key is ragged); reads only shard offsets."""
+        lengths: list[int] = []
+        for index in range(num_shards(self.num_samples, self.shard_size)):
+            o = self._shard(index).row_offsets
+            lengths.extend(o[i + 1] - o[i] for i in range(len(o) - 1))
+        return lengths
+
+
+def _identity(path: str) -> tuple[int, int, int, int] | None:
+    """What changes when a file is replaced or rewritten: device, inode, size and modification time."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _complete_prefix(cache_dir: str, num_samples: int, shard_size: int) -> int:
+    present = existing_shard_indices(cache_dir)
+    k = 0
+    while k in present:
+        k += 1
+    return min(k * shard_size, num_samples)
+
+
+# ---------------------------------------------------------------------------
+# reading samples of a batch straight from the shard files (the collators' fast path)
+
+
+def view_layouts(samples: Sequence[Mapping[str, torch.Tensor]]) -> tuple[dict[str, KeyLayout] | None, bool]:
+    """The key layouts of ``samples`` if all are :class:`SampleView` of alike shards, and whether all are as read."""
+    first = samples[0] if samples else None
+    if type(first) is not SampleView:
+        return None, False
+    infos = first._shard.infos
+    untouched = True
+    for s in samples:
+        if type(s) is not SampleView or s._shard.infos is not infos:
+            return None, False
+        untouched = untouched and s._set is None and s._keys is s._shard.keys
+    return infos, untouched
+
+
+def readable_layout(
+    samples: Sequence[Any], infos: dict[str, KeyLayout] | None, untouched: bool, key: str, ragged: bool
+) -> KeyLayout | None:
+    """``key``'s layout when every sample holds it as read from its shard, ``ragged`` as the collator treats it."""
+    info = infos.get(key) if infos is not None else None
+    if info is None or info.ragged != ragged:
+        return None
+    return info if untouched or all(s._as_read(key) for s in samples) else None
+
+
+def row_counts(samples: Sequence[Any]) -> list[int]:
+    """Rows of each :class:`SampleView`'s ragged keys."""
+    counts = []
+    for s in samples:
+        offsets, local = s._shard.row_offsets, s._local
+        counts.append(offsets[local + 1] - offsets[local])
+    return counts
+
+
+def read_into(out: torch.Tensor, samples: Sequence[Any], key: str, info: KeyLayout, dst: Sequence[int]) -> None:
+    """Copy each sample's rows of ``key`` into the bytes of ``out``, sample ``i`` from byte ``dst[i]``."""
+    mv = bytes_view(out)
+    large: list[tuple[_OpenShard, int, int, int]] = []
+    encoded: list[tuple[Any, int]] = []
+    row_bytes = info.row_bytes
+    checked: set[int] = set()
+    for s, d in zip(samples, dst):
+        source, local = s._shard, s._local
+        if id(source) not in checked:  # once per shard and batch: the mapping is touched only if the file is whole
+            source.check_size()
+            checked.add(id(source))
+        base = source.bases[key]
+        if base is None:
+            encoded.append((s, d))
+            continue
+        # _OpenShard.span, inlined: this runs for every sample and key of a batch.
+        if info.ragged:
+            start, end = source.row_offsets[local] * row_bytes, source.row_offsets[local + 1] * row_bytes
+        else:
+            start = local * row_bytes
+            end = start + row_bytes
+        if end - start >= _PREAD_BYTES:
+            large.append((source, base + start, end - start, d))
+        elif end > start:  # an empty sample or zero-width rows copy nothing (and an empty view is read-only)
+            mv[d : d + end - start] = source.mapped[key][start:end]
+    # What is cached is copied at once; the rest is announced as a whole, so the disk works on every miss
+    # of the batch at the same time, and then read in order.
+    missed: list[tuple[_OpenShard, int, int, int]] = []
+    for source, offset, nbytes, d in large:
+        got = _cached_prefix(source, mv[d : d + nbytes], offset)
+        if got < nbytes:
+            missed.append((source, offset + got, nbytes - got, d + got))
+    if len(missed) > 1:
+        for source, offset, nbytes, _ in missed:
+            _will_need(source.fd, offset, nbytes)
+    for source, offset, nbytes, d in missed:
+        _pread_into(source, mv[d : d + nbytes], offset)
+    if encoded:
+        decode_into(mv, encoded, key, info)
+
+
+def decode_into(mv: memoryview, members: list[tuple[Any, int]], key: str, info: KeyLayout) -> None:
+    """Decode encoded samples into ``mv``, a run of rows per shard when its samples lie close together."""
+    groups: dict[int, tuple[_OpenShard, list[tuple[int, int]]]] = {}
+    for s, d in members:
+        groups.setdefault(id(s._shard), (s._shard, []))[1].append((s._local, d))
+    for source, locals_ in groups.values():
+        locals_.sort()
+        lo, hi = locals_[0][0], locals_[-1][0] + 1
+        spans = [(lo, hi, locals_)] if hi - lo <= 4 * len(locals_) else [(i, i + 1, [(i, d)]) for i, d in locals_]
+        offsets = source.row_offsets
+        for a, b, part in spans:
+            block = source.shard.rows(key, a, b)
+            for local, d in part:
+                rows = (
+                    block[offsets[local] - offsets[a] : offsets[local + 1] - offsets[a]]
+                    if info.ragged
+                    else block[local - a]
+                )
+                data = bytes_view(rows.contiguous())
+                if len(data):
+                    mv[d : d + len(data)] = data

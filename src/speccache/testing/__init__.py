@@ -1,0 +1,1 @@
+"""Test support shipped with the package (never imported by it): a model-free producer and fault injection."""

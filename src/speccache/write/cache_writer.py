@@ -1,0 +1,378 @@
+"""One producer run over one cache directory: lock, manifest, resume, overlapped writes, seal.
+
+The lifecycle every native producer follows (and the crash-safety argument):
+
+1. ``preflight`` (optional, before the model is loaded): check the directory
+   against the run's configuration without writing anything.
+2. :meth:`CacheWriter.writing` enters the run: take the lock, check the directory
+   again, verify the shards a resume would keep, remove temp files of dead writers,
+   write the side files and the manifest with ``complete: false`` (unless nothing
+   is left to write), and hand out the shards still to compute with the function
+   that writes them (on a background thread by default).
+3. shards are written atomically (temp file, fsync, rename), so a shard under its
+   final name is always whole.
+4. leaving the block normally seals: gather the shard table and rewrite the
+   manifest with ``complete: true``; leaving it with an exception stops the writer
+   and releases the lock without sealing.
+
+A crash anywhere leaves a directory that a resume completes: at worst an
+unsealed manifest and a subset of whole shards. A resume of a sealed cache with
+nothing to write never un-seals it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from speccache.errors import CacheExistsError, ConfigMismatchError, DistributedError, SpeccacheError
+from speccache.format import (
+    MANIFEST_NAME,
+    CacheLock,
+    Manifest,
+    NativeShard,
+    Schema,
+    ShardRecord,
+    SideFileRecord,
+    existing_shard_indices,
+    file_checksum,
+    load_manifest_json,
+    manifest_path,
+    num_shards,
+    remove_temp_files,
+    shard_path,
+    write_safetensors,
+)
+from speccache.format.lock import lock_path
+from speccache.format.manifest import COMPARED_ON_RESUME
+from speccache.write.dist import Comm, LocalComm
+from speccache.write.loops import WriteShardFn, partition_cache_shards
+from speccache.write.writers import NativeShardWriter, OverlappedShardWriter
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CacheWriter", "SideFile", "WriteRun"]
+
+SHARED_FS_WAIT_S = 60.0
+"""How long a rank waits to see the manifest rank 0 wrote (NFS caches negative lookups for up to ~60 s)."""
+
+
+@dataclass(frozen=True)
+class SideFile:
+    """A method's side file: safetensors tensors written once, by rank 0, before any shard.
+
+    Attributes:
+        name: the file name inside the cache directory.
+        tensors: called on rank 0 only, when the file is written (so other ranks never build them).
+        metadata: the safetensors metadata.
+    """
+
+    name: str
+    tensors: Callable[[], Mapping[str, torch.Tensor]]
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class WriteRun:
+    """What :meth:`CacheWriter.writing` hands the producer.
+
+    Attributes:
+        shards: the shard indices this rank must compute (a resume leaves out the intact ones).
+        write_shard: the ``write_shard_fn`` for the loops.
+        stats: producer statistics to record in the sealed manifest; set them before leaving the block.
+    """
+
+    shards: list[int]
+    write_shard: WriteShardFn
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class CacheWriter:
+    """Owns a cache directory for one producer run (every rank of it).
+
+    Args:
+        cache_dir: output directory.
+        cache_name: kind of cache (``"eagle3"``...), recorded and checked by readers.
+        schema: the key schema.
+        shard_size: samples per shard.
+        num_samples: samples the finished cache holds.
+        config: producer configuration; a resume must match it exactly.
+        resume: continue an interrupted run instead of refusing an existing cache.
+        comm: the process group (one process by default).
+
+    Raises:
+        CacheExistsError, ConfigMismatchError, CacheLockedError: from :meth:`preflight` and
+            :meth:`writing`, raised identically on every rank.
+    """
+
+    def __init__(
+        self,
+        cache_dir: str,
+        *,
+        cache_name: str,
+        schema: Schema,
+        shard_size: int,
+        num_samples: int,
+        config: dict[str, Any],
+        resume: bool = False,
+        comm: Comm | None = None,
+    ) -> None:
+        self.cache_dir = cache_dir
+        self.comm = comm or LocalComm()
+        self.resume = resume
+        self.manifest = Manifest(
+            cache_name=cache_name,
+            schema=schema,
+            shard_size=shard_size,
+            num_samples=num_samples,
+            config=config,
+            path=manifest_path(cache_dir),
+        )
+        self.shard_writer = NativeShardWriter(schema)
+        self._lock = CacheLock(cache_dir)
+        self._sealed_on_disk: Manifest | None = None
+        start_shard, _, local = partition_cache_shards(num_samples, shard_size, self.comm.world_size, self.comm.rank)
+        self.local_shards = list(range(start_shard, start_shard + num_shards(local, shard_size)))
+
+    # -- collective error handling: a failure on one rank becomes the same exception on all
+
+    def _on_all_ranks(self, fn: Callable[[], Any]) -> Any:
+        # Any exception is caught: a rank that raised before the all_gather would leave the others waiting in it.
+        # The first failing rank's error is raised everywhere (type and message; by name, which always pickles).
+        error: Exception | None = None
+        result = None
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+            error = exc
+        report = None if error is None else (type(error).__module__, type(error).__qualname__, str(error))
+        try:
+            reports = self.comm.all_gather(report)
+        except DistributedError:
+            if error is not None:
+                raise error from None
+            raise
+        for rank, item in enumerate(reports):
+            if item is not None:
+                if rank == self.comm.rank and error is not None:
+                    raise error
+                raise _rebuild_error(rank, *item)
+        return result
+
+    def preflight(self) -> None:
+        """Check the directory against this run without taking the lock or writing anything.
+
+        Lets a producer fail before loading a model; :meth:`writing` checks again under the lock.
+        """
+        self._on_all_ranks(self._check_directory if self.comm.rank == 0 else lambda: None)
+
+    @contextlib.contextmanager
+    def writing(self, side_files: tuple[SideFile, ...] = (), overlap: bool = True) -> Iterator[WriteRun]:
+        """The run: lock and prepare the directory, yield the shards to compute, seal on a normal exit.
+
+        Args:
+            side_files: the method's side files (rank 0 writes them before the manifest).
+            overlap: write shards on a background thread while the producer computes.
+
+        Yields:
+            The shards this rank computes and the function that writes them.
+
+        Raises:
+            CacheExistsError, ConfigMismatchError, CacheLockedError: the directory cannot be used (nothing changed).
+            ShardWriteError: a shard could not be written (the lock is released; shards already written are kept).
+        """
+        todo = self._begin(side_files)
+        try:
+            with (
+                OverlappedShardWriter(self.shard_writer)
+                if overlap
+                else contextlib.nullcontext(self.shard_writer) as write
+            ):
+                run = WriteRun(todo, write)
+                yield run
+        except BaseException:
+            self._lock.release()
+            raise
+        self._seal(run.stats)
+
+    def _begin(self, side_files: tuple[SideFile, ...]) -> list[int]:
+        def _prepare() -> None:
+            if os.path.exists(self.cache_dir) and not os.path.isdir(self.cache_dir):
+                # before the lock, which would try to create the directory
+                raise CacheExistsError(f"output path {self.cache_dir} is a file; choose a directory")
+            self._lock.acquire()
+            try:
+                found = self._check_directory()
+                removed = remove_temp_files(self.cache_dir)
+                if removed:
+                    log.warning(
+                        "removed %d temporary files of an interrupted writer in %s", len(removed), self.cache_dir
+                    )
+                self._sealed_on_disk = (
+                    found if found is not None and found.complete and self._side_files_intact(found) else None
+                )
+                if self._sealed_on_disk is None:
+                    for side in side_files:
+                        self._write_side_file(side)
+                else:
+                    self.manifest.side_files = dict(self._sealed_on_disk.side_files)
+            except BaseException:
+                self._lock.release()
+                raise
+
+        try:
+            self._on_all_ranks(_prepare if self.comm.rank == 0 else lambda: None)
+            todo = self._on_all_ranks(self._shards_to_compute)
+            # A sealed cache stays sealed (readers keep reading it) unless some rank has a shard to rewrite.
+            states = self.comm.all_gather((bool(todo), self._sealed_on_disk is not None))
+            if not states[0][1] or any(has_work for has_work, _ in states):
+                self._on_all_ranks(self._unseal if self.comm.rank == 0 else lambda: None)
+            return todo
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _unseal(self) -> None:
+        if self._sealed_on_disk is not None:  # rewriting shards of a sealed cache: its side files are the ones listed
+            self.manifest.side_files = dict(self._sealed_on_disk.side_files)
+            self._sealed_on_disk = None
+        self.manifest.write(self.cache_dir)
+
+    def _side_files_intact(self, found: Manifest) -> bool:
+        for name, record in found.side_files.items():
+            try:
+                if file_checksum(os.path.join(self.cache_dir, name)) != record.checksum:
+                    return False
+            except OSError:
+                return False
+        return True
+
+    def _write_side_file(self, side: SideFile) -> None:
+        written = write_safetensors(os.path.join(self.cache_dir, side.name), side.tensors(), side.metadata)
+        self.manifest.side_files[side.name] = SideFileRecord(written.bytes, written.checksum)
+
+    def _check_directory(self) -> Manifest | None:
+        """Refuse a directory this run cannot write; return the manifest found there (``None`` when empty)."""
+        has_manifest = os.path.lexists(manifest_path(self.cache_dir))
+        has_shards = bool(existing_shard_indices(self.cache_dir))
+        if not (has_manifest or has_shards):
+            return None
+        if not self.resume:
+            raise CacheExistsError(
+                f"{self.cache_dir} already holds a cache ({MANIFEST_NAME} or shards). Pass --resume to continue it, "
+                "or choose an empty directory; nothing was changed."
+            )
+        if not has_manifest:
+            raise CacheExistsError(
+                f"{self.cache_dir} holds shards but no {MANIFEST_NAME}, so they cannot be checked against this run. "
+                "Move them away or choose an empty directory; nothing was changed."
+            )
+        body = load_manifest_json(manifest_path(self.cache_dir))
+        wanted = self.manifest.resume_identity()
+        differing = [key for key in COMPARED_ON_RESUME if body.get(key) != wanted[key]]
+        if differing:
+            details = "; ".join(_describe_difference(key, body.get(key), wanted[key]) for key in differing)
+            raise ConfigMismatchError(
+                f"cannot resume {self.cache_dir}: the existing cache was written with a different configuration "
+                f"({details}). Re-run with the original settings, or write to a new directory; nothing was changed."
+            )
+        return Manifest.from_json(body, manifest_path(self.cache_dir))
+
+    def _check_shared_directory(self) -> None:
+        # Rank 0 took the lock before the collective that started this step: a rank that cannot see the lock file
+        # writes to another filesystem (a node-local disk), and the sealed manifest would list shards rank 0 lacks.
+        deadline = time.monotonic() + SHARED_FS_WAIT_S
+        while not os.path.exists(lock_path(self.cache_dir)):
+            if time.monotonic() >= deadline:
+                raise DistributedError(
+                    f"rank {self.comm.rank} of {self.comm.world_size} (host {socket.gethostname()}) does not see "
+                    f"{lock_path(self.cache_dir)}, which rank 0 holds, after {SHARED_FS_WAIT_S:g} s: "
+                    "the output directory must be on a filesystem every rank shares (NFS, Lustre, GPFS...), "
+                    "not a node-local disk. Nothing was computed."
+                )
+            time.sleep(0.5)
+
+    def _shards_to_compute(self) -> list[int]:
+        if self.comm.world_size > 1:
+            self._check_shared_directory()
+        present = existing_shard_indices(self.cache_dir)
+        return [index for index in self.local_shards if not (index in present and self._keep_existing(index))]
+
+    def _keep_existing(self, index: int) -> bool:
+        path = shard_path(self.cache_dir, index)
+        try:
+            record = self._record_of_existing(index)
+        except (
+            SpeccacheError,
+            OSError,
+            ValueError,
+        ) as exc:  # OSError: e.g. listed by a stale NFS directory cache, then gone
+            log.warning("recomputing %s: %s", path, exc)
+            return False
+        self.shard_writer.records[index] = record
+        return True
+
+    def _record_of_existing(self, index: int) -> ShardRecord:
+        """The shard table row of shard ``index`` as found on disk, after checking it whole."""
+        path = shard_path(self.cache_dir, index)
+        shard = NativeShard(path, self.manifest.schema, index, self.manifest.shard_samples(index), verify=True)
+        try:
+            tokens = shard.num_rows if self.manifest.ragged else 0
+            return ShardRecord(
+                index, shard.num_samples, tokens, shard.file.size, file_checksum(path), shard.encoding_error()
+            )
+        finally:
+            shard.close()
+
+    def _seal(self, stats: Mapping[str, Any]) -> None:
+        """Gather the shard table, write the complete manifest (unless it is on disk already), release the lock."""
+        try:
+            # The all_gather is the barrier: every rank has written (fsynced, renamed) all its shards.
+            tables = self.comm.all_gather(list(self.shard_writer.records.values()))
+            sealed = self.manifest.sealed((r for table in tables for r in table), stats)
+            self.manifest = sealed
+
+            def _write_sealed() -> None:
+                if self.comm.rank == 0:
+                    if self._sealed_on_disk is None or self._sealed_on_disk.to_json() != sealed.to_json():
+                        sealed.write(self.cache_dir)
+                    self._lock.release()
+
+            # Every rank returns once the sealed manifest is on disk and the lock is free; a failed write fails all.
+            self._on_all_ranks(_write_sealed)
+        finally:
+            self._lock.release()
+
+
+def _rebuild_error(rank: int, module: str, qualname: str, message: str) -> Exception:
+    """Rank ``rank``'s exception, recreated here: the same type for speccache and built-in errors."""
+    kind: Any = None
+    if module == "builtins" or module == "speccache" or module.startswith("speccache."):
+        try:
+            kind = importlib.import_module(module)
+            for part in qualname.split("."):
+                kind = getattr(kind, part)
+        except (ImportError, AttributeError):
+            kind = None
+    if isinstance(kind, type) and issubclass(kind, Exception):
+        try:
+            return kind(message)
+        except Exception:  # noqa: BLE001 - a constructor that wants other arguments
+            pass
+    return DistributedError(f"rank {rank} failed: {module}.{qualname}: {message}")
+
+
+def _describe_difference(key: str, found: Any, wanted: Any) -> str:
+    if isinstance(found, dict) and isinstance(wanted, dict):
+        fields = sorted(k for k in set(found) | set(wanted) if found.get(k) != wanted.get(k))
+        return ", ".join(f"{key}.{k}: cache has {found.get(k)!r}, this run has {wanted.get(k)!r}" for k in fields)
+    return f"{key}: cache has {found!r}, this run has {wanted!r}"

@@ -1,0 +1,126 @@
+"""The package's layering (docs/architecture.md): a lower room never imports a higher one, siblings stay apart.
+
+Every import statement of every module is read with ``ast`` (function-level imports included), so the
+contract holds for lazy imports too. ``import speccache`` and ``speccache --help`` must not load the
+test support of :mod:`speccache.testing`.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# room -> rank; a module may import rooms of a lower rank, and its own room.
+RANKS = {
+    "speccache._version": 0,
+    "speccache.errors": 0,
+    "speccache.units": 0,
+    "speccache.format": 1,
+    "speccache.write": 2,
+    "speccache.read": 2,
+    "speccache.data": 2,
+    "speccache.methods": 3,
+    "speccache.precompute": 4,
+    "speccache.compat": 4,
+    "speccache.testing": 4,
+    "speccache.cli": 5,
+    "speccache.offline_cache": 5,
+    "speccache.demo": 6,
+    "speccache.__main__": 6,
+    "speccache": 7,
+}
+IMPORTED_BY_NOTHING = {"speccache.testing"}
+"""Test support: shipped with the package, imported only by tests, benchmarks and its own modules."""
+
+
+def room(module: str) -> str:
+    """The room of a dotted module name: the longest key of :data:`RANKS` it lies in."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        name = ".".join(parts[:n])
+        if name in RANKS:
+            return name
+    raise AssertionError(f"{module} lies in no room of the layering contract; add it to RANKS")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(SRC).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """``(line, imported module)`` of every speccache import in ``path``, relative ones resolved."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
+            for alias in node.names:
+                # ``from speccache import cli`` imports the module speccache.cli; ``from speccache import X`` the root's X
+                submodule = f"{base}.{alias.name}"
+                is_module = (SRC / Path(*submodule.split("."))).is_dir() or (
+                    SRC / f"{Path(*submodule.split('.'))}.py"
+                ).exists()
+                found.append((node.lineno, submodule if is_module else base))
+    return [(line, m) for line, m in found if m == "speccache" or m.startswith("speccache.")]
+
+
+MODULES = sorted((SRC / "speccache").rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: module_name(p))
+def test_no_module_imports_a_higher_or_sibling_room(path):
+    me = room(module_name(path))
+    wrong = []
+    for line, target in imports(path):
+        other = room(target)
+        if other == me:
+            continue
+        if other in IMPORTED_BY_NOTHING or RANKS[other] >= RANKS[me]:
+            wrong.append(
+                f"{path.relative_to(SRC)}:{line} imports {target} ({other}, rank {RANKS[other]} >= {RANKS[me]})"
+            )
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_contract_names_every_room_that_exists():
+    rooms = {room(module_name(p)) for p in MODULES}
+    assert rooms == set(RANKS), sorted(set(RANKS) ^ rooms)
+
+
+def test_a_violation_is_caught(tmp_path):
+    """The checker itself: a format module importing the reader is reported."""
+    bad = SRC / "speccache" / "format" / "_layering_probe.py"
+    bad.write_text("from speccache.read import CacheDataset\n")
+    try:
+        with pytest.raises(AssertionError, match="imports speccache.read"):
+            test_no_module_imports_a_higher_or_sibling_room(bad)
+    finally:
+        bad.unlink()
+
+
+HELP = "import sys\nfrom speccache.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+
+
+@pytest.mark.parametrize("code", ["import speccache", HELP], ids=["import", "help"])
+def test_import_and_help_load_no_test_support(code):
+    report = "\nimport sys\nprint(sorted(m for m in sys.modules if m.startswith('speccache.testing')))"
+    out = subprocess.run([sys.executable, "-c", code + report], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
