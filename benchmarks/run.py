@@ -144,7 +144,8 @@ def machine_description(work: str) -> list[str]:
     return [
         f"- CPU: {cpu}, {os.cpu_count()} cores; memory {mem:.0f} GiB",
         f"- disk: {disk}",
-        f"- {platform.system()} {platform.release()}, Python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}",
+        f"- {platform.system()} {platform.release()}, Python {platform.python_version()}, torch "
+        f"{torch.__version__}, numpy {np.__version__}",
     ]
 
 
@@ -633,7 +634,8 @@ def bench_overlap(report: Report, work: str, scale: float, rounds: int, upstream
             [
                 "seed: synchronous loop",
                 f"{best['seed']:.2f}",
-                f"{best['seed'] / max(cs, ws):.2f}x max(compute, write); {best['seed'] / (cs + ws):.2f}x (compute + write)",
+                f"{best['seed'] / max(cs, ws):.2f}x max(compute, write); {best['seed'] / (cs + ws):.2f}x (compute "
+                "+ write)",
             ],
         ]
     report.table(["run", "seconds", "ratio"], rows)
@@ -642,7 +644,8 @@ def bench_overlap(report: Report, work: str, scale: float, rounds: int, upstream
         "precompute overlapped loop <= 1.15x max(compute, write)",
         f"{r:.2f}x",
         r <= 1.15,
-        f"Writing the last shard ({w / (n // shard_size):.2f} s) and entering and sealing `CacheWriter.writing` cannot overlap any "
+        f"Writing the last shard ({w / (n // shard_size):.2f} s) and entering and sealing `CacheWriter.writing` "
+        "cannot overlap any "
         "compute; beyond that, the writer thread (hashing, copying into the page cache, fsync) and the producer's "
         "thread contend for this machine's 2 shared cores, which the two single-resource loops do not.",
     )

@@ -94,7 +94,7 @@ def _child(req: dict[str, Any]) -> None:
 
 
 def _wait(pid: int, kill_after: float | None, timeout: float, signum: int = signal.SIGKILL) -> tuple[int, bool, float]:
-    """Wait for ``pid``, sending it ``signum`` after ``kill_after`` s; returns (status as rc, signalled by us, seconds)."""
+    """Wait for ``pid``, sending ``signum`` after ``kill_after`` s; returns (status as rc, signalled by us, seconds)."""
     t0 = time.monotonic()
     fd = os.pidfd_open(pid)
     killed = False
@@ -195,9 +195,9 @@ class ForkServer:
         nofsync: bool = False,
         fsize_limit: int | None = None,
     ) -> RunResult:
-        """Run ``module.main(argv)`` in a forked child and wait for it (sending ``signal_name`` after ``kill_after`` s)."""
-        req = {"module": module, "argv": argv, "log": log, "env": env or {}, "kill_after": kill_after, "timeout": timeout,
-               "signal": signal_name, "nofsync": nofsync, "fsize_limit": fsize_limit}  # fmt: skip
+        """Run ``module.main(argv)`` in a forked child and wait (sending ``signal_name`` after ``kill_after`` s)."""
+        req = {"module": module, "argv": argv, "log": log, "env": env or {}, "kill_after": kill_after,
+               "timeout": timeout, "signal": signal_name, "nofsync": nofsync, "fsize_limit": fsize_limit}  # fmt: skip
         with self._lock:
             assert self.proc.stdin is not None and self.proc.stdout is not None
             self.proc.stdin.write(json.dumps(req) + "\n")

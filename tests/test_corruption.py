@@ -111,7 +111,7 @@ def _rewrite(full: str, data: bytes) -> None:
 
 def test_truncated_shard_at_random_offsets(cache, pristine, capsys):
     rng = random.Random(1)
-    for case in range(CASES):
+    for _case in range(CASES):
         index = rng.randrange(NUM_SHARDS)
         full, name, data = _shard(cache, index)
         data_start = ShardFile(full).data_start
@@ -128,7 +128,7 @@ def test_truncated_shard_at_random_offsets(cache, pristine, capsys):
 
 
 def test_bit_flips_in_shard_headers(cache, pristine, capsys):
-    """A flipped bit anywhere in the 8-byte length or the JSON header; only a flip the format ignores may pass unverified."""
+    """A flipped bit anywhere in the 8-byte length or the JSON header; only flips the format ignores pass unverified."""
     rng = random.Random(2)
     for case in range(CASES * 3):
         index = rng.randrange(NUM_SHARDS)
@@ -145,7 +145,7 @@ def test_bit_flips_in_shard_headers(cache, pristine, capsys):
 
 def test_bit_flips_in_tensor_data(cache, pristine, capsys):
     rng = random.Random(3)
-    for case in range(CASES * 2):
+    for _case in range(CASES * 2):
         index = rng.randrange(NUM_SHARDS)
         full, name, data = _shard(cache, index)
         shard = ShardFile(full)

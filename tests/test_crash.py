@@ -226,8 +226,8 @@ def test_file_size_limit_stops_cleanly_and_resume_completes(servers, refs, tmp_p
     assert sizes[first] > limit
     out = str(tmp_path / "cache")
     for sync in (True, False):
-        r = servers[0].run(PRODUCER, producer.argv(out, resume=not sync, sync=sync), log=str(tmp_path / f"limit-{sync}.log"),
-                           fsize_limit=limit, nofsync=True)  # fmt: skip
+        r = servers[0].run(PRODUCER, producer.argv(out, resume=not sync, sync=sync),
+                           log=str(tmp_path / f"limit-{sync}.log"), fsize_limit=limit, nofsync=True)  # fmt: skip
         text = r.output()
         assert r.rc == 1, text
         assert (

@@ -160,10 +160,10 @@ class _Abandoned(Exception):
 
 
 class _Hooks:
-    """Counts manifest writes, compute calls and sample reads; checks the manifest exists and is unsealed at each shard write.
+    """Counts manifest writes, compute calls and sample reads; checks the manifest is unsealed at each shard write.
 
     The compute step all-reduces on every call (like a target sharded across ranks) unless ``collective`` is false;
-    it sleeps ``slow`` seconds per call, and with ``hang`` it blocks at call :data:`HANG_AT_CALL` until that file exists.
+    it sleeps ``slow`` seconds per call; with ``hang`` it blocks at call :data:`HANG_AT_CALL` until that file exists.
     """
 
     def __init__(self, comm: Any, collective: bool = True, hang: Path | None = None, slow: float = 0.0) -> None:
@@ -438,8 +438,9 @@ def test_process_group_matches_single_process(world: int, references: dict[str, 
 
 def _cli_args(cfg: dict[str, int]) -> list[str]:
     return [
-        "--samples", str(cfg["num_samples"]), "--shard-size", str(cfg["shard_size"]), "--batch-size", str(cfg["batch_size"]),
-        "--hidden", str(COMMON["hidden"]), "--max-len", str(COMMON["max_len"]), "--seed", str(COMMON["seed"]),
+        "--samples", str(cfg["num_samples"]), "--shard-size", str(cfg["shard_size"]),
+        "--batch-size", str(cfg["batch_size"]), "--hidden", str(COMMON["hidden"]), "--max-len", str(COMMON["max_len"]),
+        "--seed", str(COMMON["seed"]),
     ]  # fmt: skip
 
 
@@ -448,7 +449,7 @@ def test_killed_rank_fails_the_others_then_torchrun_resumes_on_fewer_ranks(
 ) -> None:
     """Three ranks; rank 1 is SIGKILLed in the middle of its second shard write.
 
-    Rank 1 runs ``SPECCACHE_FAULT=mid_shard_write:2 python -m speccache.testing.faults speccache.testing.synthetic ...``,
+    Rank 1 runs ``SPECCACHE_FAULT=mid_shard_write:2 python -m speccache.testing.faults speccache.testing.synthetic``,
     the others the plain ``python -m speccache.testing.synthetic ...``.
     """
     out = tmp_path / "cache"
@@ -502,7 +503,8 @@ def test_killed_rank_fails_the_others_then_torchrun_resumes_on_fewer_ranks(
     resume = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", PRODUCER,
          str(out), *_cli_args(CONFIGS["uneven"]), "--timeout", str(timeout), "--resume"],
-        env={k: v for k, v in os.environ.items() if k != "SPECCACHE_FAULT"}, capture_output=True, text=True, timeout=180,
+        env={k: v for k, v in os.environ.items() if k != "SPECCACHE_FAULT"},
+        capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert resume.returncode == 0, resume.stdout + resume.stderr
     _assert_same_cache(out, references["uneven"])

@@ -157,7 +157,7 @@ def test_disk_full_during_a_manifest_write(tmp_path, monkeypatch, reference, whe
 
 
 def test_repeated_disk_full_then_resume(tmp_path, monkeypatch, reference):
-    """Space runs out again and again (a shared scratch filesystem); every resume makes progress, the end is identical."""
+    """Space runs out again and again (shared scratch); every resume makes progress, and the end is identical."""
     out = str(tmp_path / "cache")
     sizes = _shard_bytes(reference)
     budget = _unsealed_manifest_bytes(reference) + 3 * max(sizes)

@@ -101,8 +101,9 @@ def _write_manifest_text(path: str, text: str | bytes) -> None:
 # manifests
 
 MANIFEST_PATHS = [
-    ("format_version",), ("cache_name",), ("keys",), ("keys", "hidden"), ("keys", "hidden", "dtype"), ("keys", "hidden", "shape"),
-    ("keys", "hidden", "ragged"), ("keys", "hidden", "encoding"), ("keys", "sample_id", "shape"), ("shard_size",),
+    ("format_version",), ("cache_name",), ("keys",), ("keys", "hidden"), ("keys", "hidden", "dtype"),
+    ("keys", "hidden", "shape"), ("keys", "hidden", "ragged"), ("keys", "hidden", "encoding"),
+    ("keys", "sample_id", "shape"), ("shard_size",),
     ("num_samples",), ("complete",), ("shards",), ("shards", 0), ("shards", 0, "index"), ("shards", 1, "xxh3_128"),
     ("shards", 2, "samples"), ("num_tokens",), ("total_bytes",), ("config",), ("side_files",), ("stats",),
 ]  # fmt: skip
@@ -224,8 +225,10 @@ HEADER_FIELDS = ["dtype", "shape", "data_offsets"]
         st.tuples(st.integers(0, 50), st.sampled_from(HEADER_FIELDS + ["__rename__", "__delete__"]), json_values),
         min_size=1, max_size=3,
     ),
-    meta_edits=st.lists(st.tuples(st.sampled_from(["speccache_format", "shard_index", "num_samples", "num_rows", "xxh3_128", "other"]),
-                                  json_values), max_size=2),
+    meta_edits=st.lists(st.tuples(
+        st.sampled_from(["speccache_format", "shard_index", "num_samples", "num_rows", "xxh3_128", "other"]),
+        json_values,
+    ), max_size=2),
 )  # fmt: skip
 @example(edits=[(0, "shape", [float("inf")])], meta_edits=[])
 @example(edits=[(0, "shape", [-1, -4])], meta_edits=[])
@@ -333,7 +336,8 @@ def test_fuzzed_chat_rows_raise_only_data_errors(tokenizer, row, max_length):
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-@given(lines=st.lists(st.one_of(rows.map(json.dumps), st.binary(max_size=40).map(lambda b: b.decode("latin-1"))), max_size=5),
+@given(lines=st.lists(st.one_of(rows.map(json.dumps), st.binary(max_size=40).map(lambda b: b.decode("latin-1"))),
+                     max_size=5),
        suffix=st.sampled_from([".jsonl", ".json"]), skip=st.booleans())  # fmt: skip
 def test_fuzzed_data_files_raise_only_data_errors(tokenizer, tmp_path, lines, suffix, skip):
     from speccache.data import load_samples

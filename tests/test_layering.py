@@ -72,7 +72,7 @@ def imports(path: Path) -> list[tuple[int, str]]:
                     package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
                 )
             for alias in node.names:
-                # ``from speccache import cli`` imports the module speccache.cli; ``from speccache import X`` the root's X
+                # ``from speccache import cli`` imports speccache.cli; ``from speccache import X`` the root's X
                 submodule = f"{base}.{alias.name}"
                 is_module = (SRC / Path(*submodule.split("."))).is_dir() or (
                     SRC / f"{Path(*submodule.split('.'))}.py"

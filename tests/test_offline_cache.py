@@ -82,7 +82,9 @@ SEED_SIGNATURES: dict[str, list[tuple[str, object]] | None] = {
         ("dataloader", REQUIRED), ("output_dir", REQUIRED), ("shard_size", REQUIRED), ("start_shard_index", REQUIRED),
         ("compute_batch", REQUIRED), ("write_shard_fn", REQUIRED), ("logger", REQUIRED),
     ],
-    "partition_cache_shards": [("num_samples", REQUIRED), ("shard_size", REQUIRED), ("world_size", REQUIRED), ("rank", REQUIRED)],
+    "partition_cache_shards": [
+        ("num_samples", REQUIRED), ("shard_size", REQUIRED), ("world_size", REQUIRED), ("rank", REQUIRED),
+    ],
     "write_cache_shards_distributed": [
         ("dataloader", REQUIRED), ("output_dir", REQUIRED), ("shard_size", REQUIRED), ("world_size", REQUIRED),
         ("rank", REQUIRED), ("compute_batch", REQUIRED), ("write_shard_fn", REQUIRED), ("logger", REQUIRED),
@@ -1013,7 +1015,7 @@ def test_write_cache_shards_distributed_matches_the_seed(seed, world):
         seed_calls = []
         seed.write_cache_shards_distributed(
             dataloader=DataLoader(RecordingDataset(n), batch_size=batch_size), output_dir="out", shard_size=shard_size,
-            world_size=world, rank=rank, compute_batch=lambda b: (seed_calls.append(b), compute(b))[1],
+            world_size=world, rank=rank, compute_batch=lambda b, calls=seed_calls: (calls.append(b), compute(b))[1],
             write_shard_fn=theirs, logger=LOG, sync_max_steps=lambda local: steps,
         )  # fmt: skip
         assert len(our_calls) == len(seed_calls)

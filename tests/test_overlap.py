@@ -1,4 +1,4 @@
-"""OverlappedShardWriter and the shard accumulator: same bytes as synchronous writes, errors, waiting, bounds, copies."""
+"""OverlappedShardWriter and the shard accumulator: the bytes of synchronous writes, errors, waiting, bounds, copies."""
 
 from __future__ import annotations
 

@@ -77,7 +77,7 @@ def _run(model_dir: str, data: str, out, *extra: str) -> None:
 
 
 def snapshot(directory) -> dict[str, tuple[bytes, int]]:
-    """Every entry (hidden ones too) of a directory: name -> (bytes, mtime_ns); a subdirectory's bytes are its listing."""
+    """Every entry (hidden ones too) of a directory: name -> (bytes, mtime_ns); a subdirectory's bytes: its listing."""
     out = {}
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
@@ -438,7 +438,8 @@ def _bad_cases(model_dir: str, tmp) -> list[tuple[str, list[str], list[str], str
 
 
 CASE_IDS = [
-    "missing_model", "missing_model_relative", "model_without_config", "missing_data", "unknown_method", "unknown_supervision", "topk_0", "aux_out_of_range",
+    "missing_model", "missing_model_relative", "model_without_config", "missing_data", "unknown_method",
+    "unknown_supervision", "topk_0", "aux_out_of_range",
     "aux_duplicated", "max_length_1", "draft_vocab_0", "draft_vocab_big", "shard_not_multiple", "no_usable_row",
     "out_is_a_file",
 ]  # fmt: skip
@@ -467,7 +468,8 @@ def test_bad_invocation_via_python_m(model_dir, tmp_path):
     out = tmp_path / "out"
     missing = tmp_path / "missing.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "speccache", "precompute", "--model", model_dir, "--data", str(missing), "--out", str(out)],
+        [sys.executable, "-m", "speccache", "precompute", "--model", model_dir, "--data", str(missing),
+         "--out", str(out)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr

@@ -226,8 +226,8 @@ def test_a_ragged_key_with_zero_width_rows_batches(tmp_path):
     writer = CacheWriter(path, cache_name="zw", schema=schema, shard_size=4, num_samples=4, config={})
     with writer.writing(overlap=False) as run:
         lengths = torch.tensor([3, 0, 2, 5])
-        run.write_shard(path, 0, {"ids": torch.arange(10, dtype=torch.int32), "nothing": torch.empty(10, 0, dtype=torch.bfloat16),
-                                  "__lengths__": lengths})  # fmt: skip
+        rows = {"ids": torch.arange(10, dtype=torch.int32), "nothing": torch.empty(10, 0, dtype=torch.bfloat16)}
+        run.write_shard(path, 0, {**rows, "__lengths__": lengths})
     ds = CacheDataset(path)
     for collate in (PadCollator(["ids", "nothing"]), PackCollator(["ids", "nothing"])):
         batch = collate(ds.__getitems__(range(4)))
