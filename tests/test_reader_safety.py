@@ -144,6 +144,32 @@ for attempt in (lambda: PadCollator({RAGGED!r})(views), lambda: ds.__getitems__(
     assert out.stdout.count("refused:") == 2 and "shrank" in out.stdout, out.stdout
 
 
+def test_a_shard_truncated_under_a_dataloader_worker_raises_instead_of_sigbus(tmp_path):
+    path = str(tmp_path / "c")
+    write_synthetic_cache(path, min_len=2, encoding="raw", **{**ARGS, "max_len": 8})
+    code = f"""
+import os
+from torch.utils.data import DataLoader
+from speccache.errors import CacheCorruptError
+from speccache.read import CacheDataset, PadCollator
+ds = CacheDataset({path!r})
+# shard 0, then shard 1, then shard 0 again: the worker has shard 0 open when it is truncated
+order = [[0, 1, 2, 3], [8, 9, 10, 11], [4, 5, 6, 7]]
+collate = PadCollator({RAGGED!r})
+batches = iter(DataLoader(ds, batch_sampler=order, num_workers=1, prefetch_factor=1, collate_fn=collate))
+next(batches)
+os.truncate({shard_path(path, 0)!r}, 100)
+next(batches)
+try:
+    next(batches)
+except CacheCorruptError as exc:
+    print("refused:", exc)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert "refused:" in out.stdout and "shrank" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
 # ---------------------------------------------------------------------------
 # a no-op resume keeps the seal
 
