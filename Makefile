@@ -32,9 +32,12 @@ demo: install
 
 bench: install
 	$(PY) benchmarks/run.py --out docs/benchmarks.md
+	$(PY) benchmarks/data.py --out docs/benchmarks.md
+	$(PY) benchmarks/shard_memory.py --model-dir bench-out/shard-memory-model --tiny-dir bench-out/shard-memory-tiny --out docs/benchmarks.md
 
 footprint: install
 	$(PY) benchmarks/footprint.py --out docs/footprint.md
+	$(PY) benchmarks/superset_footprint.py --out docs/footprint_superset.md
 
 # The crash, corruption and fuzz suites with many more kill points and examples (minutes, not seconds).
 soak: install

@@ -6,6 +6,7 @@ import json
 import os
 import re
 
+import numpy as np
 import pytest
 import xxhash
 
@@ -15,6 +16,7 @@ from speccache.data import (
     file_content_hash,
     iter_rows,
     load_samples,
+    merge_parts,
     tokenize_row,
     tokenizer_hash,
 )
@@ -78,7 +80,7 @@ def test_both_forms_of_demo_data_give_identical_samples(tok):
     assert len(openai) >= 200
     assert openai == sharegpt
     assert openai_stats == sharegpt_stats == DataStats(rows_read=len(openai))
-    assert [s.source_row for s in openai] == list(range(1, len(openai) + 1))
+    assert [s.source_row for s in openai] == list(range(len(openai)))
 
 
 def test_mask_covers_assistant_content_plus_end_marker(tok):
@@ -96,7 +98,7 @@ def test_prefix_difference_path_matches_generation_marker_path(tok, prefix_tok):
     assert load_samples(path, prefix_tok, 4096, limit=80) == load_samples(path, tok, 4096, limit=80)
 
 
-def test_template_that_is_not_prefix_stable_is_an_error_even_when_skipping(tmp_path):
+def test_template_that_is_not_prefix_stable_still_masks_the_assistant_turns(tmp_path, tok):
     tokenizer = build_demo_tokenizer()
     tokenizer.chat_template = (
         CHAT_TEMPLATE.replace(
@@ -106,8 +108,9 @@ def test_template_that_is_not_prefix_stable_is_an_error_even_when_skipping(tmp_p
         .replace("{% endgeneration %}", "")
     )
     path = write_jsonl(tmp_path / "d.jsonl", [openai_row()])
-    with pytest.raises(DataError, match=r"d\.jsonl:1: the chat template is not prefix-stable.*generation"):
-        load_samples(path, tokenizer, 256, skip_bad_rows=True)
+    samples, _ = load_samples(path, tokenizer, 256)
+    assert masked_runs(tokenizer, samples[0]) == ["2 + 2 = 4.<|end|>", "3 + 3 = 6.<|end|>"]
+    assert samples == load_samples(path, tok, 256)[0]
 
 
 def test_tokenizer_without_chat_template_is_an_error_even_when_skipping(tmp_path):
@@ -127,8 +130,8 @@ def test_template_rejecting_a_row_is_a_bad_row(tmp_path):
     with pytest.raises(DataError, match=r"d\.jsonl:1: the chat template rejected .*two messages at most"):
         load_samples(path, tokenizer, 256)
     samples, stats = load_samples(path, tokenizer, 256, skip_bad_rows=True)
-    assert [s.source_row for s in samples] == [2]
-    assert stats.rows_skipped_bad == 1
+    assert [s.source_row for s in samples] == [1]
+    assert stats.skipped == {"template_error": 1}
 
 
 def test_sharegpt_roles_map_to_openai_roles(tok):
@@ -153,7 +156,7 @@ def test_truncation_keeps_the_first_tokens_and_counts(tmp_path, tok):
     cut = second_turn + 2
     path = write_jsonl(tmp_path / "d.jsonl", [openai_row()])
     samples, stats = load_samples(path, tok, cut)
-    assert samples == [TokenizedSample(full.input_ids[:cut], full.loss_mask[:cut], 1)]
+    assert samples == [TokenizedSample(full.input_ids[:cut], full.loss_mask[:cut], 0)]
     assert stats.rows_truncated == 1
     samples, stats = load_samples(path, tok, len(full.input_ids))
     assert samples[0].input_ids == full.input_ids and stats.rows_truncated == 0
@@ -165,7 +168,7 @@ def test_row_whose_assistant_tokens_are_all_truncated_is_skipped(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [openai_row()])
     samples, stats = load_samples(path, tok, first_assistant)
     assert samples == []
-    assert stats == DataStats(rows_read=1, rows_skipped_no_assistant=1)
+    assert stats.rows_read == 1 and stats.skipped == {"no_assistant_within_max_length": 1}
     assert tokenize_row(openai_row(), tok, first_assistant, where="x") is None
 
 
@@ -173,13 +176,15 @@ def test_rows_without_assistant_are_skipped_and_counted(tmp_path, tok):
     no_assistant = openai_row([{"role": "system", "content": "Hi."}, {"role": "user", "content": "Hello?"}])
     path = write_jsonl(tmp_path / "d.jsonl", [no_assistant, sharegpt_row(), "", "   ", no_assistant])
     samples, stats = load_samples(path, tok, 256)
-    assert [s.source_row for s in samples] == [2]
-    assert stats == DataStats(rows_read=3, rows_skipped_no_assistant=2)
+    assert [s.source_row for s in samples] == [1]
+    assert stats.rows_read == 3 and stats.skipped == {"no_assistant_token": 2}
+    assert [(r.row, r.reason) for r in stats.skipped_rows] == [(0, "no_assistant_token"), (4, "no_assistant_token")]
 
 
 def test_file_with_no_usable_row_gives_empty_list(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [openai_row(CONVERSATION[:2])])
-    assert load_samples(path, tok, 256) == ([], DataStats(rows_read=1, rows_skipped_no_assistant=1))
+    samples, stats = load_samples(path, tok, 256)
+    assert samples == [] and stats.rows_read == 1 and stats.skipped == {"no_assistant_token": 1}
     empty = tmp_path / "e.jsonl"
     empty.write_text("\n\n")
     assert load_samples(str(empty), tok, 256) == ([], DataStats())
@@ -223,12 +228,12 @@ def test_skip_bad_rows_counts_and_keeps_first_messages(tmp_path, tok):
     lines = [openai_row()] + [bad for bad, _ in BAD_ROWS] + [sharegpt_row()]
     path = write_jsonl(tmp_path / "d.jsonl", lines)
     samples, stats = load_samples(path, tok, 256, skip_bad_rows=True)
-    assert [s.source_row for s in samples] == [1, len(lines)]
+    assert [s.source_row for s in samples] == [0, len(lines) - 1]
     assert stats.rows_read == len(lines)
-    assert stats.rows_skipped_bad == len(BAD_ROWS)
-    assert len(stats.bad_row_messages) == 5
-    assert stats.bad_row_messages[0].startswith(f"{path}:2: invalid JSON")
-    assert stats.bad_row_messages[4].startswith(f"{path}:6: ")
+    assert stats.skipped == {"malformed": len(BAD_ROWS)}
+    assert [r.row for r in stats.skipped_rows] == list(range(1, len(lines) - 1))
+    assert stats.skipped_rows[0].detail.startswith(f"{path}:2: invalid JSON")
+    assert stats.skipped_rows[4].detail.startswith(f"{path}:6: ")
 
 
 def test_json_file_gives_same_samples_as_jsonl(tmp_path, tok):
@@ -249,8 +254,9 @@ def test_pretokenized_rows_are_used_as_given(tmp_path, tok):
         {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 0, 1]},
     ]
     samples, stats = load_samples(write_jsonl(tmp_path / "d.jsonl", rows), tok, 3)
-    assert samples == [TokenizedSample([1, 10, 11], [0, 0, 1], 1)]
-    assert stats == DataStats(rows_read=3, rows_skipped_no_assistant=2, rows_truncated=1)
+    assert samples == [TokenizedSample([1, 10, 11], [0, 0, 1], 0)]
+    assert stats.rows_read == 3 and stats.rows_truncated == 1
+    assert stats.skipped == {"no_assistant_token": 1, "no_assistant_within_max_length": 1}
 
 
 def test_limit_keeps_first_usable_rows_and_stops_reading(tmp_path, tok):
@@ -258,7 +264,7 @@ def test_limit_keeps_first_usable_rows_and_stops_reading(tmp_path, tok):
     lines = [no_assistant, openai_row(), no_assistant, sharegpt_row(), openai_row(), "not json"]
     path = write_jsonl(tmp_path / "d.jsonl", lines)
     samples, stats = load_samples(path, tok, 256, limit=2)
-    assert [s.source_row for s in samples] == [2, 4]
+    assert [s.source_row for s in samples] == [1, 3]
     assert stats.rows_read == 4
     assert load_samples(path, tok, 256, limit=0) == ([], DataStats())
     with pytest.raises(ValueError, match="limit"):
@@ -269,10 +275,10 @@ def test_limit_keeps_first_usable_rows_and_stops_reading(tmp_path, tok):
 
 def test_iter_rows(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", ["", {"a": 1}, "  ", {"b": 2}])
-    assert list(iter_rows(path)) == [(2, {"a": 1}), (4, {"b": 2})]
+    assert list(iter_rows(path)) == [(1, {"a": 1}), (3, {"b": 2})]
     bom = tmp_path / "bom.jsonl"
     bom.write_bytes(b"\xef\xbb\xbf" + b'{"a": 1}\n')
-    assert list(iter_rows(str(bom))) == [(1, {"a": 1})]
+    assert list(iter_rows(str(bom))) == [(0, {"a": 1})]
     json_path = tmp_path / "d.json"
     json_path.write_text('[{"a": 1}, {"b": 2}]')
     assert list(iter_rows(str(json_path))) == [(0, {"a": 1}), (1, {"b": 2})]
@@ -327,3 +333,32 @@ def test_tokenizer_hash_is_stable_and_sensitive(tok):
     other = build_demo_tokenizer()
     other.add_tokens(["<|extra|>"])
     assert tokenizer_hash(other) != tokenizer_hash(tok)
+
+
+def _mixed_file(tmp_path):
+    lines = [openai_row(), "not json", sharegpt_row(CONVERSATION[1:3]), "", openai_row(CONVERSATION[:2])] * 7
+    return write_jsonl(tmp_path / "mixed.jsonl", lines)
+
+
+def test_worker_processes_give_the_samples_and_stats_of_one_process(tmp_path, tok):
+    path = _mixed_file(tmp_path)
+    one = load_samples(path, tok, 40, skip_bad_rows=True)
+    two = load_samples(path, tok, 40, skip_bad_rows=True, num_proc=2)
+    assert one[0] == two[0] and one[1] == two[1] and len(one[0]) == 14
+    assert one[1].skipped == {"malformed": 7, "no_assistant_token": 7}
+    with pytest.raises(DataError, match=re.escape(f"{path}:2: invalid JSON")):
+        load_samples(path, tok, 40, num_proc=2)
+    assert load_samples(path, tok, 40, skip_bad_rows=True, num_proc=2, limit=3)[0] == one[0][:3]
+
+
+def test_rows_split_across_ranks_merge_into_the_whole(tmp_path, tok):
+    path = _mixed_file(tmp_path)
+    whole = load_samples(path, tok, 40, skip_bad_rows=True)
+    parts = [load_samples(path, tok, 40, skip_bad_rows=True, part=(r, 3)) for r in range(3)]
+    assert sum(p[1].rows_read for p in parts) == whole[1].rows_read
+    merged = merge_parts(parts)
+    assert merged[0] == whole[0] and merged[1] == whole[1]
+    assert np.array_equal(merged[0].input_ids, whole[0].input_ids)
+    with pytest.raises(DataError) as first:
+        load_samples(path, tok, 40, part=(1, 3))
+    assert first.value.row == 1  # the rank's first bad row, so ranks can agree on the file's first

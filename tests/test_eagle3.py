@@ -310,7 +310,7 @@ def test_probs_supervision_and_draft_vocab(runs, live):
     assert torch.equal(side["embed_tokens"], lv.model.get_input_embeddings().weight.detach())
 
     raw = CacheDataset(out)
-    assert set(raw.schema) == {"input_ids", "loss_mask", "aux_hidden_states", "target_probs", "in_draft"}
+    assert set(raw.schema) == {"input_ids", "loss_mask", "aux_hidden_states", "target_probs", "in_draft", "source_row"}
     ds = Eagle3CacheDataset(out)
     _check_tokens(ds, lv)
     some_in, some_out = False, False
@@ -471,7 +471,10 @@ def test_dataloader_pads_and_covers_every_sample_once(runs, num_workers):
                 n = int(lengths[row])
                 i = by_ids[tuple(batch["input_ids"][row, :n].tolist())]
                 seen.append(i)
+                assert int(batch["source_row"][row]) == int(reference[i]["source_row"])  # a per-sample key
                 for key, want in reference[i].items():
+                    if key == "source_row":
+                        continue
                     assert torch.equal(batch[key][row, :n], want), key
                     assert not batch[key][row, n:].any(), key  # padding is zero
         assert sorted(seen) == list(range(LIMIT))

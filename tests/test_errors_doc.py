@@ -30,6 +30,9 @@ from speccache.format import MANIFEST_NAME, KeySpec, ShardFile, shard_path, writ
 from speccache.format.encoding import get_encoding
 from speccache.format.lock import LOCK_NAME
 from speccache.format.shard import verify_tensor_checksums
+from speccache.format.view import View
+from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
+from speccache.methods.layers import LayerSelection, preset_selection
 from speccache.offline_cache import (
     CachedTensorDataset,
     ensure_supervision_options_match,
@@ -37,8 +40,12 @@ from speccache.offline_cache import (
     write_manifest,
     write_tensor_shard,
 )
+from speccache.precompute.audit import audit_cache
+from speccache.precompute.target import Checkpoint, check_shard_target
 from speccache.read import CacheDataset
+from speccache.read.sampler import LocalityShuffleSampler
 from speccache.read.verify import VerifyReport, inspect_cache, verify_cache
+from speccache.read.view import make_merge_view, parse_where
 from speccache.testing.synthetic import write_synthetic_cache
 from speccache.write import NativeShardWriter, OverlappedShardWriter
 
@@ -282,6 +289,9 @@ def _side_file(env: Env, content: bytes | None, mkdir: bool = False) -> VerifyRe
 
 T = Callable[[Env], Any]
 TRIGGERS: dict[str, T] = {
+    # --shard-target / --tp-size
+    "--shard-target": lambda e: check_shard_target("zero"),
+    "reads the weights from safetensors files": lambda e: Checkpoint(str(e.tmp)),
     # writing and resuming
     "already holds a cache": lambda e: write_synthetic_cache(e.cache(), **ARGS),
     "holds shards but no": lambda e: (os.unlink(os.path.join(p := e.cache(), MANIFEST_NAME)), write_synthetic_cache(p, resume=True, **ARGS)),
@@ -296,6 +306,26 @@ TRIGGERS: dict[str, T] = {
     "encoding 'zbf16' stores only": lambda e: KeySpec("x", torch.float32, encoding="zbf16"),
     "cannot store non-finite values": lambda e: get_encoding("fp8").encode(torch.tensor([[float("nan")]]), torch.tensor([0, 1])),
     "unknown encoding": lambda e: get_encoding("lz4"),
+    # contents: the non-finite guard and audit
+    "is not finite (NaN or Inf) at token": lambda e: guard_nonfinite(
+        {"__lengths__": torch.tensor([1]), "x": torch.tensor([[float("nan")]])}, "fail", lambda k, c: "layer"
+    ),
+    "--nonfinite": lambda e: check_nonfinite_mode("drop"),
+    "--samples must be >= 1": lambda e: audit_cache(e.cache(), samples=0),
+    "the audit does not know how to recompute": lambda e: audit_cache(e.cache()),
+    # views
+    "must look like NAME OP NUMBER": lambda e: parse_where("a => 1"),
+    "must give one positive weight per cache": lambda e: make_merge_view([e.cache()], str(e.tmp / "v"), [1, 2]),
+    "one finite weight >= 0 per sample": lambda e: LocalityShuffleSampler(2, 1, weights=[1.0]),
+    "not a readable view": lambda e: View.read(str(e.tmp)),
+    "a view needs sealed caches":
+        lambda e: make_merge_view([e.edit_manifest(e.cache(), lambda m: m.update(complete=False))], str(e.tmp / "v")),
+    # layer methods
+    "must be distinct increasing layer ids in": lambda e: LayerSelection((3, 1), 8),
+    "stores nothing: give --layers": lambda e: LayerSelection((), 8),
+    "--method layers needs --layers": lambda e: preset_selection("layers", 8, None, False, False),
+    "stores the last hidden state only": lambda e: preset_selection("mtp", 8, [1], False, False),
+    "is not a layer preset": lambda e: preset_selection("medusa", 8, None, False, False),
     # reading
     "cache manifest not found at": lambda e: CacheDataset(str(e.tmp)),
     "is not complete: it is still being written or its writer was interrupted":
@@ -350,7 +380,11 @@ TRIGGERS: dict[str, T] = {
     "out of range for a cache of": lambda e: CacheDataset(e.cache())[10**6],
     # input data
     "data file not found": lambda e: _load(e.tmp / "missing.jsonl"),
-    "data path is not a file": lambda e: _load(e.tmp),
+    "data path is not a file": lambda e: (os.mkfifo(e.tmp / "fifo.jsonl"), _load(e.tmp / "fifo.jsonl")),
+    "data path is a directory but not a saved Hugging Face dataset": lambda e: _load(e.tmp),
+    "cannot locate the assistant turns": lambda e: _row_with_template("{{ messages[-1].content * 2 }}"),
+    "the chat template rejected the conversation": lambda e: _row_with_template("{{ raise_exception('no') }}"),
+    "cannot read the template": lambda e: __import__("speccache.data").data.load_template_file(str(e.tmp)),
     "unsupported data file extension": lambda e: _data_file(e, "rows.csv", b"a,b"),
     "not valid UTF-8": lambda e: _data_file(e, "rows.json", b'["\xff"]'),
     "invalid JSON": lambda e: _data_file(e, "rows.jsonl", b"{"),
@@ -391,6 +425,19 @@ def _load(path: Path) -> None:
     from speccache.data import load_samples
 
     load_samples(str(path), _tokenizer(), 64)
+
+
+def _row_with_template(template: str) -> None:
+    from speccache.data import tokenize_row
+
+    tokenizer = _tokenizer()
+    tokenizer.chat_template = template
+    tokenize_row(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+        tokenizer,
+        64,
+        where="rows.jsonl:1",
+    )
 
 
 def _row_without_template() -> None:

@@ -175,7 +175,7 @@ def test_manifest_records_the_run(model_dir, reference, tokenizer):
     samples, _ = load_samples(SHAREGPT, tokenizer, 64, limit=8)
     tokens = sum(len(s.input_ids) for s in samples)
     stats = manifest["stats"]
-    assert stats["rows_read"] == 8 and stats["rows_skipped_no_assistant"] == 0 and stats["rows_skipped_bad"] == 0
+    assert stats["rows_read"] == 8 and stats["skipped_rows"] == {}
     assert stats["samples"] == manifest["num_samples"] == 8
     assert stats["tokens"] == manifest["num_tokens"] == tokens
     assert stats["rows_truncated"] == sum(1 for s in samples if len(s.input_ids) == 64) > 0
@@ -292,15 +292,37 @@ def _expected_tokens(tokenizer, row: dict, max_length: int) -> tuple[list[int], 
     return list(enc["input_ids"])[:max_length], list(enc["assistant_masks"])[:max_length]
 
 
-def test_mixed_rows_skip_count_and_keep_order(mixed, tokenizer):
+def test_mixed_rows_skip_count_and_keep_order(mixed, tokenizer, capsys, tmp_path):
     path, out = mixed
     manifest = load_manifest_json(manifest_path(str(out)))
     stats = manifest["stats"]
     lines = _mixed_lines()
     assert stats["rows_read"] == sum(kind is not None for _, kind in lines) == 8
-    assert stats["rows_skipped_bad"] == 1
-    assert stats["rows_skipped_no_assistant"] == 3
+    # the long prompt's assistant reply lies beyond --max-length 64: counted apart from rows with no assistant
+    assert stats["skipped_rows"] == {"malformed": 1, "no_assistant_token": 2, "no_assistant_within_max_length": 1}
     assert stats["samples"] == manifest["num_samples"] == 4
+    with open(out / "skipped_rows.jsonl") as f:
+        skipped = [json.loads(line) for line in f]
+    assert [(r["row"], r["reason"]) for r in skipped] == [
+        (2, "no_assistant_token"),
+        (3, "malformed"),
+        (5, "no_assistant_token"),
+        (6, "no_assistant_within_max_length"),
+    ]
+    assert skipped[1]["detail"].startswith(f"{path}:4: invalid JSON")
+    assert manifest["side_files"]["skipped_rows.jsonl"]["bytes"] == os.path.getsize(out / "skipped_rows.jsonl")
+    assert main(["verify", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    assert (
+        "skipped    4 rows: malformed 1, no_assistant_token 2, no_assistant_within_max_length 1"
+        in capsys.readouterr().out
+    )
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+    with open(damaged / "skipped_rows.jsonl", "a") as f:
+        f.write("\n")
+    assert main(["verify", str(damaged)]) == 1  # the plain-bytes side file is checksummed like the others
     ds = Eagle3CacheDataset(str(out))
     usable = [json.loads(text) for text, kind in lines if kind == "usable"]
     assert len(ds) == len(usable)
@@ -309,6 +331,8 @@ def test_mixed_rows_skip_count_and_keep_order(mixed, tokenizer):
         assert ds[i]["input_ids"].tolist() == ids
         assert ds[i]["loss_mask"].tolist() == [bool(m) for m in mask]
     assert ds[1]["input_ids"].tolist() == PRETOKENIZED["input_ids"]
+    # every sample records its 0-based line in the data file
+    assert [int(ds[i]["source_row"]) for i in range(len(ds))] == [i for i, (_, k) in enumerate(lines) if k == "usable"]
 
 
 def test_malformed_row_fails_naming_file_and_line(model_dir, mixed, tmp_path, capsys, no_model_load):
@@ -332,12 +356,17 @@ def test_json_list_form_and_limit(model_dir, mixed, tmp_path):
     manifest = load_manifest_json(manifest_path(str(out)))
     # --limit 3 stops after the third usable row (row index 3; row 2 had no assistant)
     assert manifest["num_samples"] == 3
-    assert manifest["stats"]["rows_read"] == 4 and manifest["stats"]["rows_skipped_no_assistant"] == 1
+    assert manifest["stats"]["rows_read"] == 4 and manifest["stats"]["skipped_rows"] == {"no_assistant_token": 1}
     a, b = _contents(out), _contents(jsonl_out)
     assert sorted(n for n in a if n.startswith("shard-")) == [f"shard-00000{i}.safetensors" for i in range(3)]
-    for name in a:
-        if name.startswith("shard-") or name == SIDE_FILE:
-            assert a[name] == b[name], name
+    assert a[SIDE_FILE] == b[SIDE_FILE]
+    # the same samples; only their source rows differ (list index here, line of the .jsonl there)
+    from_json, from_jsonl = Eagle3CacheDataset(str(out)), Eagle3CacheDataset(str(jsonl_out))
+    for i in range(3):
+        x, y = from_json[i], from_jsonl[i]
+        assert x.keys() == y.keys()
+        assert all(torch.equal(x[k], y[k]) for k in x if k != "source_row"), i
+    assert [int(from_json[i]["source_row"]) for i in range(3)] == [0, 1, 3]
 
 
 # ---------------------------------------------------------------------------

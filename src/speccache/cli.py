@@ -18,10 +18,17 @@ from speccache.units import human_bytes
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a cache's schema, counts and sizes."""
+    from speccache.format.view import is_view
     from speccache.read.verify import inspect_cache
 
+    if is_view(args.cache_dir):
+        return inspect_view(args)
     info = inspect_cache(args.cache_dir)
     if args.json:
+        if args.stats:
+            from speccache.read.stats import cache_sample_stats
+
+            info["sample_stats"] = cache_sample_stats(args.cache_dir)
         print(json.dumps(info, indent=2, sort_keys=True))
         return 0
     print(f"cache      {info['cache_dir']} ({info['cache_name']}, format v{info['format_version']})")
@@ -42,6 +49,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for name, size in (info["side_file_bytes"] or {}).items():
         print(f"side file  {name}: {human_bytes(size)}")
     stats = info.get("stats")
+    skipped = stats.get("skipped_rows") if isinstance(stats, dict) else None
+    if isinstance(skipped, dict) and skipped:
+        reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(skipped.items()))
+        print(f"skipped    {sum(n for n in skipped.values() if isinstance(n, int))} rows: {reasons}")
     errors = stats.get("encoding_error") if isinstance(stats, dict) else None
     for key, err in errors.items() if isinstance(errors, dict) else ():
         if (
@@ -50,11 +61,56 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             and isinstance(err.get("max"), (int, float))
         ):
             print(f"fp8 error  {key}: relative RMS {err['rms']:.4f}, max {err['max']:.4f}")
+    if args.stats:
+        print_sample_stats(args.cache_dir)
     return 0
 
 
+def inspect_view(args: argparse.Namespace) -> int:
+    """``inspect`` of a view: its sources, their weights and the samples it selects."""
+    from speccache.read.view import ViewDataset
+
+    dataset = ViewDataset(args.cache_dir)
+    view = dataset.view
+    if args.json:
+        print(json.dumps(view.to_json(), indent=2, sort_keys=True))
+        return 0
+    print(f"view       {args.cache_dir} ({view.cache_name}): {len(dataset)} samples from {len(view.sources)} caches")
+    print(f"selection  {json.dumps(view.selection, sort_keys=True)}")
+    for number, source in enumerate(view.sources):
+        count = sum(end - start for s, start, end in view.runs if s == number)
+        where = view.source_dir(number)
+        print(f"source     {where}: {count} samples, {len(source.shards)} shards, weight {source.weight:g}")
+    return 0
+
+
+def print_sample_stats(cache_dir: str) -> None:
+    """Print the distribution of each per-sample statistic (``inspect --stats``)."""
+    from speccache.read.stats import cache_sample_stats, histogram
+
+    stats = cache_sample_stats(cache_dir)
+    if not stats:
+        print("stats      none recorded (the shards were written before per-sample statistics existed)")
+    for name, values in stats.items():
+        known = [v for v in values if v is not None]
+        mean = sum(known) / len(known) if known else float("nan")
+        print(f"stats      {name}: {len(values)} samples, mean {mean:.4g}")
+        for line in histogram(values):
+            print(line)
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Check every file of a cache; exit 1 when anything is wrong."""
+    """Check every file of a cache (or every shard a view references); exit 1 when anything is wrong."""
+    from speccache.format.view import is_view
+
+    if is_view(args.cache_dir):
+        from speccache.read.view import verify_view
+
+        problems = verify_view(args.cache_dir)
+        for problem in problems:
+            print(f"PROBLEM  {problem}")
+        print(f"{args.cache_dir}: {'sound' if not problems else f'{len(problems)} problem(s)'} (view)")
+        return 0 if not problems else 1
     from speccache.read.verify import verify_cache
 
     progress = None
@@ -89,21 +145,74 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="describe a cache: schema, counts, bytes per key and per token")
     p.add_argument("cache_dir")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--stats", action="store_true", help="also show the distribution of the per-sample statistics")
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("verify", help="check every shard's structure and checksums (exit 1 if anything is wrong)")
     p.add_argument("cache_dir")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_verify)
+    p = sub.add_parser("merge", help="write a view that concatenates caches of one target and settings")
+    p.add_argument("caches", nargs="+")
+    p.add_argument("--out", required=True, help="the view directory to write")
+    p.add_argument("--weights", default=None, help="mixture weight per cache, e.g. 2,1 (default: all 1)")
+    p.set_defaults(func=cmd_merge)
+    p = sub.add_parser("subset", help="write a view of the samples whose statistics satisfy --where")
+    p.add_argument("cache_dir")
+    p.add_argument("--out", required=True, help="the view directory to write")
+    p.add_argument("--where", required=True, help="e.g. 'supervised_tokens >= 16 and mean_entropy < 2.5'")
+    p.set_defaults(func=cmd_subset)
     for register in _method_commands():
         register(sub)
     return parser
 
 
+def _new_view_dir(out: str) -> None:
+    # A killed view writer leaves at most a temporary file, which is removed; anything else is refused.
+    import os
+
+    from speccache.errors import CacheExistsError
+    from speccache.format import MANIFEST_NAME, existing_shard_indices, remove_temp_files
+    from speccache.format.view import VIEW_NAME
+
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CacheExistsError(f"--out {out} is a file; choose a new directory for the view")
+    if os.path.isdir(out):
+        if any(os.path.exists(os.path.join(out, n)) for n in (VIEW_NAME, MANIFEST_NAME)) or existing_shard_indices(out):
+            raise CacheExistsError(f"--out {out} already holds a view or a cache; choose a new directory for the view")
+        remove_temp_files(out)
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    """Run ``speccache merge``."""
+    from speccache.read.view import make_merge_view
+
+    try:
+        weights = [float(w) for w in args.weights.split(",")] if args.weights else None
+    except ValueError:
+        raise ValueError(f"--weights {args.weights!r} must be comma-separated numbers, e.g. 2,1") from None
+    _new_view_dir(args.out)
+    view = make_merge_view(args.caches, args.out, weights)
+    print(f"{args.out}: view of {view.num_samples} samples from {len(view.sources)} caches")
+    return 0
+
+
+def cmd_subset(args: argparse.Namespace) -> int:
+    """Run ``speccache subset``."""
+    from speccache.read.view import make_subset_view
+
+    _new_view_dir(args.out)
+    view = make_subset_view(args.cache_dir, args.out, args.where)
+    print(f"{args.out}: view of {view.num_samples} samples of {args.cache_dir}")
+    return 0
+
+
 def _method_commands() -> list[Callable[[Any], None]]:
+    from speccache.compat.export import register_commands as register_export
+    from speccache.precompute.audit import register_commands as register_audit
     from speccache.precompute.estimate import register_commands as register_estimate
     from speccache.precompute.run import register_commands
 
-    return [register_commands, register_estimate]
+    return [register_commands, register_estimate, register_audit, register_export]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,6 +19,8 @@ __all__ = [
     "ShardWriteError",
     "CacheExistsError",
     "DistributedError",
+    "NonFiniteFeatureError",
+    "AuditError",
 ]
 
 
@@ -60,3 +62,11 @@ class CacheExistsError(SpeccacheError, FileExistsError):
 
 class DistributedError(SpeccacheError, RuntimeError):
     """A collective failed: another rank died, hung past the timeout, or failed first (its error is quoted)."""
+
+
+class NonFiniteFeatureError(SpeccacheError, ValueError):
+    """A computed feature is NaN or Inf (``--nonfinite fail``); the sample, data row, key and layer are named."""
+
+
+class AuditError(SpeccacheError, ValueError):
+    """``speccache audit`` cannot re-run the target on a cache (no recorded model, an unknown method)."""

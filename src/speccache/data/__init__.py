@@ -1,21 +1,51 @@
-"""Chat data: rows read from files, rendered with the tokenizer's chat template, masked and tokenized."""
+"""Chat data: rows read from files, rendered with the chat template, masked and tokenized."""
 
 from speccache.data.chat import (
+    SKIPPED_ROWS_FILE,
+    SOURCE_ROW_KEY,
     DataStats,
+    SkippedRow,
     TokenizedSample,
+    TokenizedSamples,
+    chat_template_of,
     file_content_hash,
     iter_rows,
     load_samples,
+    merge_parts,
+    source_row_spec,
     tokenize_row,
     tokenizer_hash,
 )
+from speccache.data.template import (
+    REASONING_MODES,
+    ChatFormat,
+    RowFailure,
+    chat_format,
+    load_chat_tokenizer,
+    load_template_file,
+    today,
+)
 
 __all__ = [
+    "REASONING_MODES",
+    "SKIPPED_ROWS_FILE",
+    "SOURCE_ROW_KEY",
+    "ChatFormat",
     "DataStats",
+    "RowFailure",
+    "SkippedRow",
     "TokenizedSample",
+    "TokenizedSamples",
+    "chat_format",
+    "chat_template_of",
+    "load_chat_tokenizer",
     "file_content_hash",
     "iter_rows",
     "load_samples",
+    "load_template_file",
+    "merge_parts",
+    "source_row_spec",
+    "today",
     "tokenize_row",
     "tokenizer_hash",
 ]

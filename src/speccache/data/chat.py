@@ -1,56 +1,63 @@
 """Chat data loading and tokenisation for the feature precompute.
 
-Input files are ``.jsonl`` (one JSON object per line, blank lines ignored) or
-``.json`` (one JSON list of objects). A row is one of:
+Input files are ``.jsonl`` (one JSON object per line, blank lines ignored), ``.jsonl.gz`` / ``.jsonl.zst``
+(the same, compressed), ``.json`` (one JSON list of objects), ``.parquet``, or a directory written by
+Hugging Face ``datasets``' ``save_to_disk`` (the last two are read through ``datasets``, memory-mapped
+Arrow). A row is one of:
 
-* ShareGPT: ``{"conversations": [{"from": "human"|"gpt"|"system"|"user"|"assistant", "value": str}, ...]}``
-  (``human`` means ``user`` and ``gpt`` means ``assistant``);
+* ShareGPT / FastChat: ``{"conversations": [{"from": "human"|"gpt"|"system"|"user"|"assistant", "value": str},
+  ...]}`` (``human`` means ``user`` and ``gpt`` means ``assistant``), with an optional top-level ``"system"``
+  string that becomes the first message;
 * OpenAI: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``;
 * pre-tokenized: ``{"input_ids": [int, ...], "loss_mask": [0|1, ...]}`` of equal, non-zero length.
 
-Other keys (``"id"``...) are ignored. Rows are named in messages as ``file:line``
-(1-based line) for ``.jsonl`` and ``file[index]`` (0-based) for ``.json``.
+Other keys (``"id"``...) are ignored. Rows are named in messages as ``file:line`` (1-based line) for JSON
+lines and ``file[index]`` (0-based) otherwise. A sample's ``source_row`` is its 0-based row number: the
+0-based line of a JSON-lines file, the index in a ``.json`` list, a Parquet file or a dataset.
 
-Loss-mask convention: chat rows are rendered with the tokenizer's chat template
-and the mask is 1 on the tokens the assistant produces, nothing else.
+Loss mask: see :mod:`speccache.data.template` (assistant contents plus their end-of-turn tokens, located in
+one rendering of the whole conversation, for any template). Samples are truncated to ``max_length`` tokens
+after masking; a row left without a masked token is skipped and counted, not an error.
 
-* If the template wraps assistant output in ``{% generation %}...{% endgeneration %}``
-  (and the tokenizer is fast), the mask is transformers' ``assistant_masks``:
-  every token overlapping a generation span. The demo template wraps each
-  assistant ``content`` plus its closing ``<|end|>``, so the masked tokens decode
-  to exactly ``content + "<|end|>"`` per assistant turn.
-* Otherwise the mask is found by prefix difference: for each assistant message
-  ``i``, the tokens of ``messages[:i]`` with ``add_generation_prompt=True`` must be a
-  prefix of the tokens of ``messages[:i + 1]``, which must be a prefix of the whole
-  conversation's tokens; the tokens in between (the turn minus its generation
-  prompt, including whatever end-of-turn text the template appends) are masked.
-  A template for which this prefix property fails raises :class:`DataError`.
-
-A conversation must not start with an assistant message. Samples are truncated
-to ``max_length`` tokens after masking; a sample whose mask is then all zero is
-skipped and counted, not an error.
+Skip reasons (``DataStats.skipped``): ``malformed`` (not a valid row), ``template_error`` (the chat template
+rejected it), ``mask_unplaceable`` (its assistant turns cannot be located), ``no_assistant_token`` (nothing
+to train on), ``no_assistant_within_max_length`` (its assistant tokens all lie beyond ``max_length``). The
+first three are errors unless ``skip_bad_rows``; the last two are always skipped and counted.
 """
 
 from __future__ import annotations
 
+import gzip
+import heapq
+import io
+import itertools
 import json
 import os
-import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import torch
 import xxhash
 
+from speccache.data.template import ChatFormat, RowFailure, mask_conversation, tokenizer_template
 from speccache.errors import DataError
-from speccache.format import file_checksum
+from speccache.format import KeySpec, file_checksum
 
 __all__ = [
+    "SKIPPED_ROWS_FILE",
+    "SOURCE_ROW_KEY",
     "DataStats",
+    "SkippedRow",
     "TokenizedSample",
+    "TokenizedSamples",
+    "chat_template_of",
     "file_content_hash",
     "iter_rows",
     "load_samples",
+    "merge_parts",
+    "source_row_spec",
     "tokenize_row",
     "tokenizer_hash",
 ]
@@ -58,12 +65,17 @@ __all__ = [
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 _OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
 _ROW_KEYS = ("conversations", "messages", "input_ids")
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-_MAX_BAD_ROW_MESSAGES = 5
+_LINE_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+_DATASET_SUFFIXES = (".parquet",)
+_CHUNK = 4096
+SOURCE_ROW_KEY = "source_row"
+SKIPPED_ROWS_FILE = "skipped_rows.jsonl"
+NO_ASSISTANT = "no_assistant_token"
+BEYOND_MAX_LENGTH = "no_assistant_within_max_length"
 
 
-class _RowError(DataError):
-    """One row is malformed; ``load_samples(skip_bad_rows=True)`` skips these and only these."""
+def _row_error(message: str) -> RowFailure:
+    return RowFailure(message, "malformed")
 
 
 @dataclass(frozen=True)
@@ -73,12 +85,130 @@ class TokenizedSample:
     Attributes:
         input_ids: Token ids, at most ``max_length`` of them.
         loss_mask: 1 where the token is assistant output, else 0; same length as ``input_ids``.
-        source_row: 1-based line (``.jsonl``) or 0-based list index (``.json``) of the row.
+        source_row: 0-based row number of the row in the data file.
     """
 
     input_ids: list[int]
     loss_mask: list[int]
     source_row: int
+
+
+class TokenizedSamples(Sequence[TokenizedSample]):
+    """Tokenized samples stored compactly: all ids in one int32 array, masks in one uint8 array.
+
+    Planning memory is then a few bytes per token, not a Python list per token.
+
+    Attributes:
+        input_ids: int32 ``[tokens]``; ``loss_mask``: uint8 ``[tokens]``; ``offsets``: int64 ``[n + 1]``;
+        source_rows: int64 ``[n]``.
+    """
+
+    def __init__(self, input_ids: np.ndarray, loss_mask: np.ndarray, offsets: np.ndarray, source_rows: np.ndarray):
+        self.input_ids, self.loss_mask, self.offsets, self.source_rows = input_ids, loss_mask, offsets, source_rows
+
+    @classmethod
+    def empty(cls) -> TokenizedSamples:
+        """No samples."""
+        z = np.zeros(0, dtype=np.int64)
+        return cls(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64), z)
+
+    def __len__(self) -> int:
+        return len(self.source_rows)
+
+    def arrays(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(input_ids, loss_mask)`` of sample ``index`` as array views."""
+        a, b = int(self.offsets[index]), int(self.offsets[index + 1])
+        return self.input_ids[a:b], self.loss_mask[a:b]
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        ids, mask = self.arrays(index)
+        return TokenizedSample(ids.tolist(), mask.tolist(), int(self.source_rows[index]))
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens per sample, int64 ``[n]``."""
+        return np.diff(self.offsets)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in all samples."""
+        return int(self.offsets[-1])
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class _SampleBuilder:
+    """Appends samples into chunked arrays, so that no per-sample Python object outlives its chunk."""
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        self.pending: list[tuple[np.ndarray, np.ndarray, int]] = []
+
+    def __len__(self) -> int:
+        return sum(len(c[3]) for c in self.chunks) + len(self.pending)
+
+    def add(self, ids: np.ndarray, mask: np.ndarray, source_row: int) -> None:
+        self.pending.append((ids, mask, source_row))
+        if len(self.pending) >= _CHUNK:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        ids = np.concatenate([p[0] for p in self.pending]).astype(np.int32, copy=False)
+        mask = np.concatenate([p[1] for p in self.pending]).astype(np.uint8, copy=False)
+        lengths = np.fromiter((len(p[0]) for p in self.pending), dtype=np.int64, count=len(self.pending))
+        rows = np.fromiter((p[2] for p in self.pending), dtype=np.int64, count=len(self.pending))
+        self.chunks.append((ids, mask, lengths, rows))
+        self.pending = []
+
+    def build(self) -> TokenizedSamples:
+        self._flush()
+        if not self.chunks:
+            return TokenizedSamples.empty()
+        lengths = np.concatenate([c[2] for c in self.chunks])
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return TokenizedSamples(
+            np.concatenate([c[0] for c in self.chunks]),
+            np.concatenate([c[1] for c in self.chunks]),
+            offsets,
+            np.concatenate([c[3] for c in self.chunks]),
+        )
+
+
+def source_row_spec() -> KeySpec:
+    """The fixed int64 key under which every sample records its 0-based row in the data file.
+
+    Every method's schema adds it, and its ``compute_batch`` copies the batch's ``source_row`` column.
+    """
+    return KeySpec(SOURCE_ROW_KEY, torch.int64, ())
+
+
+@dataclass(frozen=True)
+class SkippedRow:
+    """A row left out of the cache (one line of ``skipped_rows.jsonl``).
+
+    Attributes:
+        row: 0-based row number in the data file.
+        reason: the skip reason (see the module docstring).
+        detail: the error message, or a short explanation.
+    """
+
+    row: int
+    reason: str
+    detail: str
 
 
 @dataclass
@@ -87,36 +217,104 @@ class DataStats:
 
     Attributes:
         rows_read: Rows looked at, including skipped ones (blank lines are not rows).
-        rows_skipped_no_assistant: Rows with no assistant token left after truncation.
-        rows_skipped_bad: Malformed rows skipped because ``skip_bad_rows`` was set.
         rows_truncated: Kept samples that were cut to ``max_length``.
-        bad_row_messages: The first few messages of skipped malformed rows.
+        skipped: ``{reason: count}`` of the rows left out.
+        skipped_rows: every row left out, in file order.
     """
 
     rows_read: int = 0
-    rows_skipped_no_assistant: int = 0
-    rows_skipped_bad: int = 0
     rows_truncated: int = 0
-    bad_row_messages: list[str] = field(default_factory=list)
+    skipped: dict[str, int] = field(default_factory=dict)
+    skipped_rows: list[SkippedRow] = field(default_factory=list)
+
+    def skip(self, row: int, reason: str, detail: str) -> None:
+        """Record one skipped row."""
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        self.skipped_rows.append(SkippedRow(row, reason, detail))
+
+    @property
+    def rows_skipped(self) -> int:
+        """Rows left out for any reason."""
+        return sum(self.skipped.values())
+
+    def skipped_rows_jsonl(self) -> bytes:
+        """The ``skipped_rows.jsonl`` side file: one ``{"row", "reason", "detail"}`` object per line."""
+        lines = (json.dumps({"row": r.row, "reason": r.reason, "detail": r.detail}) + "\n" for r in self.skipped_rows)
+        return "".join(lines).encode("utf-8")
 
 
-def _check_file(path: str) -> str:
+def _data_kind(path: str) -> str:
+    """``lines``, ``json`` or ``dataset`` (read through ``datasets``)."""
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "dataset_info.json")) or os.path.exists(
+            os.path.join(path, "dataset_dict.json")
+        ):
+            return "dataset"
+        raise DataError(
+            f"data path is a directory but not a saved Hugging Face dataset: {path}; pass a directory written "
+            "by datasets' save_to_disk, or a data file"
+        )
     if not os.path.exists(path):
         raise DataError(f"data file not found: {path}; check the path")
     if not os.path.isfile(path):
         raise DataError(f"data path is not a file: {path}; pass a .jsonl or .json file")
+    lower = path.lower()
+    if lower.endswith(_LINE_SUFFIXES):
+        return "lines"
+    if lower.endswith(".json"):
+        return "json"
+    if lower.endswith(_DATASET_SUFFIXES):
+        return "dataset"
     ext = os.path.splitext(path)[1].lower()
-    if ext not in (".jsonl", ".json"):
-        raise DataError(
-            f"unsupported data file extension {ext or '(none)'!r}: {path}; use .jsonl (one JSON object "
-            "per line) or .json (a JSON list of objects)"
-        )
-    return ext
+    raise DataError(
+        f"unsupported data file extension {ext or '(none)'!r}: {path}; use .jsonl (one JSON object "
+        "per line) or .json (a JSON list of objects), or .jsonl.gz, .jsonl.zst, .parquet, or a save_to_disk directory"
+    )
+
+
+def _open_lines(path: str) -> io.BufferedIOBase:
+    lower = path.lower()
+    if lower.endswith(".gz"):
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    if lower.endswith(".zst"):
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+    return open(path, "rb")
+
+
+def _dataset_rows(path: str) -> Iterator[tuple[int, str, Any]]:
+    import datasets
+
+    if os.path.isdir(path):
+        ds = datasets.load_from_disk(path)
+        if isinstance(ds, datasets.DatasetDict):
+            raise DataError(
+                f"{path}: a saved DatasetDict holds several splits ({', '.join(ds)}); pass the directory of one "
+                f"split (e.g. {path}/train)"
+            )
+    else:
+        ds = datasets.Dataset.from_parquet(path)
+    for index in range(len(ds)):
+        yield index, f"{path}[{index}]", _without_nulls(ds[index])
+
+
+def _without_nulls(value: Any) -> Any:
+    # Arrow gives every struct the union of all fields, None where a row lacks one; JSON rows lack them instead.
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def _raw_rows(path: str) -> Iterator[tuple[int, str, Any]]:
-    """Yield ``(row number, where, parsed value)``; an unparsable ``.jsonl`` line yields a ``_RowError`` value."""
-    if _check_file(path) == ".json":
+    """Yield ``(0-based row number, where, parsed value)``; an unparsable line yields a ``RowFailure`` value."""
+    kind = _data_kind(path)
+    if kind == "dataset":
+        yield from _dataset_rows(path)
+        return
+    if kind == "json":
         try:
             with open(path, encoding="utf-8-sig") as f:
                 rows = json.load(f)
@@ -134,41 +332,44 @@ def _raw_rows(path: str) -> Iterator[tuple[int, str, Any]]:
         for index, row in enumerate(rows):
             yield index, f"{path}[{index}]", row
         return
-    with open(path, "rb") as f:
+    with _open_lines(path) as f:
         for line_no, raw in enumerate(f, start=1):
             where = f"{path}:{line_no}"
             try:
                 text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
             except UnicodeDecodeError as e:
-                yield line_no, where, _RowError(f"{where}: not valid UTF-8 ({e.reason}); re-encode the line as UTF-8")
+                yield (
+                    line_no - 1,
+                    where,
+                    _row_error(f"{where}: not valid UTF-8 ({e.reason}); re-encode the line as UTF-8"),
+                )
                 continue
             if not text.strip():
                 continue
             try:
-                yield line_no, where, json.loads(text)
+                yield line_no - 1, where, json.loads(text)
             except json.JSONDecodeError as e:
                 yield (
-                    line_no,
+                    line_no - 1,
                     where,
-                    _RowError(
+                    _row_error(
                         f"{where}: invalid JSON ({e.msg}, column {e.colno}); fix or remove the line, or skip bad rows"
                     ),
                 )
 
 
-def _not_an_object(where: str, value: Any) -> _RowError:
-    return _RowError(f"{where}: expected a JSON object per row, got {type(value).__name__}; fix or remove the row")
+def _not_an_object(where: str, value: Any) -> RowFailure:
+    return _row_error(f"{where}: expected a JSON object per row, got {type(value).__name__}; fix or remove the row")
 
 
 def iter_rows(path: str) -> Iterator[tuple[int, dict]]:
     """Iterate over the row objects of a data file.
 
     Args:
-        path: A ``.jsonl`` or ``.json`` file.
+        path: A data file or saved dataset (see the module docstring).
 
     Returns:
-        An iterator of ``(row number, row)``: the 1-based line for ``.jsonl``, the
-        0-based index for ``.json``.
+        An iterator of ``(0-based row number, row)``.
 
     Raises:
         DataError: The file is missing or not a file, has another extension, holds
@@ -185,97 +386,64 @@ def iter_rows(path: str) -> Iterator[tuple[int, dict]]:
 def _message_list(row: dict, key: str, role_key: str, text_key: str, roles: dict[str, str], where: str) -> list[dict]:
     turns = row[key]
     if not isinstance(turns, list) or not turns:
-        raise _RowError(f"{where}: {key!r} must be a non-empty list of messages; fix the row")
+        raise _row_error(f"{where}: {key!r} must be a non-empty list of messages; fix the row")
     messages = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
-            raise _RowError(f"{where}: {key}[{i}] must be an object with {role_key!r} and {text_key!r}; fix the row")
+            raise _row_error(f"{where}: {key}[{i}] must be an object with {role_key!r} and {text_key!r}; fix the row")
         role, text = turn.get(role_key), turn.get(text_key)
         if not isinstance(role, str) or role not in roles:
-            raise _RowError(
+            raise _row_error(
                 f"{where}: {key}[{i}].{role_key} must be one of {', '.join(roles)}, got {role!r}; fix the row"
             )
         if not isinstance(text, str):
-            raise _RowError(
+            raise _row_error(
                 f"{where}: {key}[{i}].{text_key} must be a string, got {type(text).__name__}; "
                 "flatten multi-part content to plain text"
             )
         messages.append({"role": roles[role], "content": text})
-    if messages[0]["role"] == "assistant":
-        raise _RowError(f"{where}: the conversation starts with an assistant message; add the prompt before it")
+    system = row.get("system")
+    if key == "conversations" and system is not None and system != "":
+        if not isinstance(system, str):
+            raise _row_error(f"{where}: 'system' must be a string, got {type(system).__name__}; fix the row")
+        if messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": system})
+    first = next((m for m in messages if m["role"] != "system"), None)
+    if first is not None and first["role"] == "assistant":
+        raise _row_error(f"{where}: the conversation starts with an assistant message; add the prompt before it")
     return messages
 
 
-def _pretokenized(row: dict, tokenizer: Any, where: str) -> tuple[list[int], list[int]]:
+def _pretokenized(row: dict, tokenizer: Any, where: str) -> tuple[np.ndarray, np.ndarray]:
     ids, mask = row["input_ids"], row.get("loss_mask")
     vocab = len(tokenizer)
     if not isinstance(ids, list) or not ids or not all(type(t) is int and 0 <= t < vocab for t in ids):
-        raise _RowError(
+        raise _row_error(
             f"{where}: 'input_ids' must be a non-empty list of integer ids in [0, {vocab}); "
             "re-tokenize the row with the target's tokenizer"
         )
     if not isinstance(mask, list) or not all(type(m) is int and m in (0, 1) for m in mask):
-        raise _RowError(f"{where}: a pre-tokenized row needs 'loss_mask', a list of 0/1 integers; fix the row")
+        raise _row_error(f"{where}: a pre-tokenized row needs 'loss_mask', a list of 0/1 integers; fix the row")
     if len(mask) != len(ids):
-        raise _RowError(f"{where}: 'loss_mask' has {len(mask)} entries but 'input_ids' has {len(ids)}; they must match")
-    return ids, mask
+        raise _row_error(
+            f"{where}: 'loss_mask' has {len(mask)} entries but 'input_ids' has {len(ids)}; they must match"
+        )
+    return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
 
 
-def _chat_template(tokenizer: Any, where: str) -> str:
-    try:
-        return tokenizer.get_chat_template()
-    except ValueError as e:
-        raise DataError(
-            f"{where}: chat rows need a tokenizer with a chat template, and this tokenizer has none; "
-            "use a target whose tokenizer defines chat_template, or pre-tokenized rows"
-        ) from e
+def chat_template_of(tokenizer: Any) -> str | None:
+    """The tokenizer's chat template, or None when it has none or cannot give one (``MistralCommonBackend``)."""
+    return tokenizer_template(tokenizer)
 
 
-def _apply(tokenizer: Any, messages: list[dict], where: str, **kwargs: Any) -> Any:
-    from jinja2 import TemplateError
-
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
-    except TemplateError as e:
-        raise _RowError(
-            f"{where}: the chat template rejected the conversation ({e}); fix the row's roles or order"
-        ) from e
-
-
-def _prefix_difference_mask(tokenizer: Any, messages: list[dict], ids: list[int], where: str) -> list[int]:
-    mask = [0] * len(ids)
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = list(_apply(tokenizer, messages[:i], where, add_generation_prompt=True)["input_ids"])
-        after = list(_apply(tokenizer, messages[: i + 1], where)["input_ids"])
-        if after[: len(before)] != before or ids[: len(after)] != after:
-            raise DataError(
-                f"{where}: the chat template is not prefix-stable (rendering the conversation up to message {i} "
-                "is not a prefix of rendering it further), so assistant tokens cannot be located; use a template "
-                "that marks assistant output with {% generation %}, or pre-tokenized rows"
-            )
-        mask[len(before) : len(after)] = [1] * (len(after) - len(before))
-    return mask
-
-
-def _chat_tokens(tokenizer: Any, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
-    # transformers derives assistant_masks from character offsets, which only fast tokenizers report.
-    if _GENERATION_TAG.search(_chat_template(tokenizer, where)) and tokenizer.is_fast:
-        encoded = _apply(tokenizer, messages, where, return_assistant_tokens_mask=True)
-        return list(encoded["input_ids"]), list(encoded["assistant_masks"])
-    ids = list(_apply(tokenizer, messages, where)["input_ids"])
-    return ids, _prefix_difference_mask(tokenizer, messages, ids, where)
-
-
-def _encode(row: Any, tokenizer: Any, where: str) -> tuple[list[int], list[int]] | None:
+def _encode(row: Any, tokenizer: Any, fmt: ChatFormat | None, where: str) -> tuple[np.ndarray, np.ndarray] | None:
     """Full-length ``(input_ids, loss_mask)`` of a row, or None for a conversation with no assistant message."""
     if not isinstance(row, dict):
         raise _not_an_object(where, row)
     kinds = [key for key in _ROW_KEYS if key in row]
     if len(kinds) != 1:
         found = ", ".join(repr(k) for k in kinds) if kinds else "none of them"
-        raise _RowError(
+        raise _row_error(
             f"{where}: a row needs exactly one of 'conversations' (ShareGPT), 'messages' (OpenAI) or "
             f"'input_ids' with 'loss_mask' (pre-tokenized); found {found}; fix the row"
         )
@@ -287,39 +455,46 @@ def _encode(row: Any, tokenizer: Any, where: str) -> tuple[list[int], list[int]]
         messages = _message_list(row, "messages", "role", "content", _OPENAI_ROLES, where)
     if not any(m["role"] == "assistant" for m in messages):
         return None
-    return _chat_tokens(tokenizer, messages, where)
+    if fmt is None:
+        raise DataError(
+            f"{where}: chat rows need a tokenizer with a chat template, and this tokenizer has none; "
+            "pass --chat-template FILE, use a target whose tokenizer defines chat_template, or pre-tokenized rows"
+        )
+    return mask_conversation(tokenizer, fmt, messages, where)
 
 
-def _truncate(encoded: tuple[list[int], list[int]] | None, max_length: int, source_row: int) -> TokenizedSample | None:
-    if encoded is None or not any(encoded[1][:max_length]):
-        return None
-    ids, mask = encoded
-    return TokenizedSample(input_ids=ids[:max_length], loss_mask=mask[:max_length], source_row=source_row)
+def _default_format(tokenizer: Any) -> ChatFormat | None:
+    template = chat_template_of(tokenizer)
+    return None if template is None else ChatFormat.for_tokenizer(tokenizer, template)
 
 
 def tokenize_row(
-    row: dict, tokenizer: Any, max_length: int, *, where: str, source_row: int = -1
+    row: dict, tokenizer: Any, max_length: int, *, where: str, source_row: int = -1, fmt: ChatFormat | None = None
 ) -> TokenizedSample | None:
     """Tokenize one row and build its assistant-only loss mask (see the module docstring).
 
     Args:
         row: A ShareGPT, OpenAI or pre-tokenized row object.
-        tokenizer: The target's Hugging Face tokenizer.
+        tokenizer: The target's fast Hugging Face tokenizer.
         max_length: Keep at most this many tokens (>= 1).
         where: How to name the row in error messages, e.g. ``"data.jsonl:12"``.
         source_row: Stored as ``TokenizedSample.source_row``.
+        fmt: The chat format (default: the tokenizer's template, reasoning kept, today's date).
 
     Returns:
         The sample, or None when it has no assistant token (after truncation).
 
     Raises:
-        DataError: The row is malformed (message starts with ``where``), the tokenizer
-            has no chat template, or the template is not prefix-stable.
+        DataError: The row is malformed or cannot be masked (message starts with ``where``), or the
+            tokenizer has no chat template.
         ValueError: ``max_length`` < 1.
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
-    return _truncate(_encode(row, tokenizer, where), max_length, source_row)
+    encoded = _encode(row, tokenizer, fmt or _default_format(tokenizer), where)
+    if encoded is None or not encoded[1][:max_length].any():
+        return None
+    return TokenizedSample(encoded[0][:max_length].tolist(), encoded[1][:max_length].tolist(), source_row)
 
 
 def load_samples(
@@ -329,66 +504,174 @@ def load_samples(
     *,
     limit: int | None = None,
     skip_bad_rows: bool = False,
-) -> tuple[list[TokenizedSample], DataStats]:
+    fmt: ChatFormat | None = None,
+    num_proc: int = 1,
+    part: tuple[int, int] = (0, 1),
+) -> tuple[TokenizedSamples, DataStats]:
     """Read and tokenize a data file, in file order.
 
     Args:
-        path: A ``.jsonl`` or ``.json`` file.
-        tokenizer: The target's Hugging Face tokenizer.
+        path: A data file or saved dataset (see the module docstring).
+        tokenizer: The target's fast Hugging Face tokenizer.
         max_length: Truncate each sample to this many tokens (>= 1).
         limit: Stop after this many usable samples; None reads the whole file.
-        skip_bad_rows: Count and skip malformed rows instead of raising.
+        skip_bad_rows: Count and skip rows that fail (malformed, template errors, unplaceable masks).
+        fmt: The chat format (default: the tokenizer's template, reasoning kept, today's date).
+        num_proc: Tokenize in this many worker processes (1: in this process).
+        part: ``(rank, world)``: read only every ``world``-th row from the ``rank``-th (see :func:`merge_parts`).
 
     Returns:
         The usable samples (possibly none) and what was read and skipped.
 
     Raises:
-        DataError: The file cannot be read or parsed as a whole; a row is malformed
-            and ``skip_bad_rows`` is false; the tokenizer has no chat template or
-            its template is not prefix-stable.
-        ValueError: ``max_length`` < 1 or ``limit`` < 0.
+        DataError: The file cannot be read or parsed as a whole; a row fails and ``skip_bad_rows``
+            is false; chat rows but no chat template.
+        ValueError: ``max_length`` < 1, ``limit`` < 0, ``num_proc`` < 1, or a bad ``part``.
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
-    samples: list[TokenizedSample] = []
+    if num_proc < 1:
+        raise ValueError(f"num_proc must be >= 1, got {num_proc}")
+    rank, world = part
+    if not 0 <= rank < world or (world > 1 and limit is not None):
+        raise ValueError(f"part must be (rank, world) with 0 <= rank < world, and no limit when world > 1; got {part}")
+    builder = _SampleBuilder()
     stats = DataStats()
     if limit == 0:
-        return samples, stats
-    for row_no, where, value in _raw_rows(path):
-        stats.rows_read += 1
+        return builder.build(), stats
+    fmt = fmt or _default_format(tokenizer)
+    rows = (r for i, r in enumerate(_raw_rows(path)) if i % world == rank)
+    with _Encoder(tokenizer, fmt, num_proc) as encoder:
+        for row_no, encoded, error in encoder.encode(rows):
+            stats.rows_read += 1
+            if error is not None:
+                if not skip_bad_rows or not isinstance(error, RowFailure):
+                    error.row = row_no  # type: ignore[attr-defined]  # which rank's error comes first
+                    raise error
+                stats.skip(row_no, error.reason, str(error))
+                continue
+            if _keep(builder, stats, row_no, encoded, max_length) and limit is not None and len(builder) >= limit:
+                break
+    return builder.build(), stats
+
+
+def merge_parts(parts: Sequence[tuple[TokenizedSamples, DataStats]]) -> tuple[TokenizedSamples, DataStats]:
+    """Join what ``load_samples(part=(rank, world))`` read on each rank, for ``rank`` in ``range(world)``.
+
+    Returns:
+        Exactly what one ``load_samples`` over the whole file returns: samples and skipped rows in row order.
+    """
+    builder, stats = _SampleBuilder(), DataStats()
+    rows = [
+        [(int(r), k, i) for i, r in enumerate(samples.source_rows.tolist())] for k, (samples, _) in enumerate(parts)
+    ]
+    for row, k, i in heapq.merge(*rows):
+        ids, mask = parts[k][0].arrays(i)
+        builder.add(ids, mask, row)
+    for _, part_stats in parts:
+        stats.rows_read += part_stats.rows_read
+        stats.rows_truncated += part_stats.rows_truncated
+    for skipped in heapq.merge(*(s.skipped_rows for _, s in parts), key=lambda r: r.row):
+        stats.skip(skipped.row, skipped.reason, skipped.detail)
+    return builder.build(), stats
+
+
+def _keep(
+    builder: _SampleBuilder,
+    stats: DataStats,
+    row_no: int,
+    encoded: tuple[np.ndarray, np.ndarray] | None,
+    max_length: int,
+) -> bool:
+    """Add one encoded row to ``builder`` (truncated), or count why it is skipped; returns whether it was added."""
+    if encoded is None or not encoded[1].any():
+        stats.skip(row_no, NO_ASSISTANT, "the row has no assistant token to train on")
+        return False
+    ids, mask = encoded
+    if not mask[:max_length].any():
+        stats.skip(row_no, BEYOND_MAX_LENGTH, f"its first assistant token lies beyond --max-length {max_length}")
+        return False
+    if len(ids) > max_length:
+        stats.rows_truncated += 1
+    builder.add(ids[:max_length], mask[:max_length], row_no)
+    return True
+
+
+_Encoded = tuple[int, "tuple[np.ndarray, np.ndarray] | None", "DataError | None"]
+_WORKER: dict[str, Any] = {}
+_ROWS_PER_TASK = 64
+
+
+def _encode_rows(rows: list[tuple[int, str, Any]]) -> list[_Encoded]:
+    """``(row, encoded or None, error or None)`` for each row; in a worker process or in this one."""
+    out: list[_Encoded] = []
+    for row_no, where, value in rows:
         try:
             if isinstance(value, DataError):
                 raise value
-            encoded = _encode(value, tokenizer, where)
-        except _RowError as e:
-            if not skip_bad_rows:
-                raise
-            stats.rows_skipped_bad += 1
-            if len(stats.bad_row_messages) < _MAX_BAD_ROW_MESSAGES:
-                stats.bad_row_messages.append(str(e))
-            continue
-        sample = _truncate(encoded, max_length, row_no)
-        if sample is None:
-            stats.rows_skipped_no_assistant += 1
-            continue
-        if len(encoded[0]) > max_length:
-            stats.rows_truncated += 1
-        samples.append(sample)
-        if limit is not None and len(samples) >= limit:
-            break
-    return samples, stats
+            out.append((row_no, _encode(value, _WORKER["tokenizer"], _WORKER["fmt"], where), None))
+        except DataError as e:
+            out.append((row_no, None, e))
+    return out
+
+
+def _init_worker(tokenizer: Any, fmt: ChatFormat | None) -> None:
+    _WORKER.update(tokenizer=tokenizer, fmt=fmt)
+
+
+class _Encoder:
+    """Encodes rows in order, in ``num_proc`` forked worker processes when ``num_proc > 1``."""
+
+    def __init__(self, tokenizer: Any, fmt: ChatFormat | None, num_proc: int) -> None:
+        self.tokenizer, self.fmt, self.num_proc = tokenizer, fmt, num_proc
+        self.pool: Any = None
+
+    def __enter__(self) -> _Encoder:
+        _init_worker(self.tokenizer, self.fmt)
+        if self.num_proc > 1:
+            import multiprocessing
+
+            # The workers inherit the tokenizer by fork; its own thread pool must not be live across the fork.
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+            context = multiprocessing.get_context("fork")
+            self.pool = context.Pool(self.num_proc, _init_worker, (self.tokenizer, self.fmt))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+    def encode(self, rows: Iterator[tuple[int, str, Any]]) -> Iterator[_Encoded]:
+        if self.pool is None:
+            for row in rows:
+                yield from _encode_rows([row])
+            return
+        tasks = iter(lambda: list(itertools.islice(rows, _ROWS_PER_TASK)), [])
+        for done in self.pool.imap(_encode_rows, tasks):
+            yield from done
 
 
 def file_content_hash(path: str) -> str:
     """The xxh3-128 of a data file's bytes (recorded in the manifest, so a resume refuses changed data).
 
+    For a saved dataset directory: the xxh3-128 of every file's relative path and checksum, in path order.
+
     Raises:
         DataError: the file is missing.
     """
     try:
-        return file_checksum(path)
+        if not os.path.isdir(path):
+            return file_checksum(path)
+        listing = []
+        for root, dirs, files in os.walk(path):
+            dirs.sort()
+            for name in sorted(files):
+                full = os.path.join(root, name)
+                listing.append(f"{os.path.relpath(full, path)}\0{file_checksum(full)}")
+        return xxhash.xxh3_128_hexdigest("\n".join(listing).encode("utf-8"))
     except FileNotFoundError as e:
         raise DataError(f"data file not found: {path}; check the path") from e
 
@@ -408,10 +691,7 @@ def tokenizer_hash(tokenizer: Any) -> str:
     Returns:
         An xxh3_128 hex digest.
     """
-    try:
-        template = tokenizer.get_chat_template()
-    except ValueError:
-        template = None
+    template = chat_template_of(tokenizer)
     payload = {
         "vocab": sorted(tokenizer.get_vocab().items()),
         "special_tokens": sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items()),

@@ -19,6 +19,7 @@ from speccache.format.durable import (
     remove_temp_files,
     temp_path,
     tensor_checksum,
+    write_bytes_file,
 )
 from speccache.format.encoding import get_encoding, part_name
 from speccache.format.lock import LOCK_NAME, CacheLock
@@ -29,6 +30,7 @@ from speccache.format.names import (
     MANIFEST_NAME,
     OFFSETS_KEY,
     SHARD_RE,
+    STAT_PREFIX,
     TMP_MARK,
     ceil_div,
     check_shard_size,
@@ -49,6 +51,7 @@ __all__ = [
     "LOCK_NAME",
     "MANIFEST_NAME",
     "OFFSETS_KEY",
+    "STAT_PREFIX",
     "SHARD_RE",
     "TMP_MARK",
     "CacheLock",
@@ -79,6 +82,7 @@ __all__ = [
     "shard_path",
     "shard_samples",
     "tensor_checksum",
+    "write_bytes_file",
     "temp_path",
     "validate_contiguous_shards",
     "write_safetensors",

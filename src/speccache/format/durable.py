@@ -23,6 +23,21 @@ def temp_path(path: str) -> str:
     return f"{path}{TMP_MARK}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+def write_bytes_file(path: str, data: bytes) -> str:
+    """Write ``data`` to ``path`` atomically and durably.
+
+    Returns:
+        The xxh3-128 hex digest of ``data`` (what :func:`file_checksum` gives for the file).
+    """
+
+    def _write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+
+    atomic_write(path, _write)
+    return xxhash.xxh3_128_hexdigest(data)
+
+
 def fsync_dir(path: str) -> None:
     """Make a rename inside ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)

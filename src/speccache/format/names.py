@@ -24,6 +24,9 @@ OFFSETS_KEY = "__offsets__"
 """Shard tensor: int64 ``[n + 1]`` row offsets shared by every ragged key."""
 LENGTHS_KEY = "__lengths__"
 """In-memory batch entry: int64 ``[n]`` per-sample lengths of the ragged keys."""
+STAT_PREFIX = "__stat__."
+"""In-memory batch entries ``__stat__.NAME``: float ``[n]`` per-sample statistics a producer computed (e.g. the
+target's mean entropy); the shard writer keeps them in the shard's ``sample_stats`` metadata, not as tensors."""
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_ELEMENTS = 2**62
 """Bound on a tensor's element count (of its non-zero dimensions): beyond it torch's strides overflow."""

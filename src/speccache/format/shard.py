@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from speccache.errors import CacheCorruptError, CacheFormatError
 from speccache.format.durable import tensor_checksum
 from speccache.format.encoding import get_encoding, part_name
-from speccache.format.names import FORMAT_VERSION, LENGTHS_KEY, OFFSETS_KEY
+from speccache.format.names import FORMAT_VERSION, LENGTHS_KEY, OFFSETS_KEY, STAT_PREFIX
 from speccache.format.safetensors_file import ShardFile, WrittenFile, write_safetensors
 from speccache.format.schema import Schema
 
@@ -30,6 +31,9 @@ SHARD_META_ROWS = "num_rows"
 SHARD_META_CHECKSUMS = "xxh3_128"
 SHARD_META_ERROR = "encoding_error"
 """Optional: JSON ``{key: {"sq_err", "sq_ref", "max"}}`` of each lossy key, so a resumed run still reports it."""
+SHARD_META_STATS = "sample_stats"
+"""Optional JSON ``{name: [one value per sample]}``: the producer's ``__stat__.NAME`` entries and ``tokens``
+(``null`` where a float statistic is not finite)."""
 
 
 def shard_metadata(
@@ -38,6 +42,7 @@ def shard_metadata(
     num_rows: int,
     parts: Mapping[str, torch.Tensor],
     encoding_error: Mapping[str, Mapping[str, float]] | None = None,
+    stats: Mapping[str, list[Any]] | None = None,
 ) -> dict[str, str]:
     """Safetensors metadata that makes a shard self-describing (version, index, counts, per-tensor checksums,
     and the measured error of lossy keys when there are any)."""
@@ -51,7 +56,29 @@ def shard_metadata(
     }
     if encoding_error:
         meta[SHARD_META_ERROR] = json.dumps(encoding_error, sort_keys=True, separators=(",", ":"))
+    if stats:
+        meta[SHARD_META_STATS] = json.dumps(stats, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return meta
+
+
+def sample_stats(samples: Mapping[str, torch.Tensor]) -> dict[str, list[Any]]:
+    """Per-sample statistics of a shard's samples (see :data:`SHARD_META_STATS`).
+
+    Only a producer that computes statistics (``__stat__.NAME`` entries) gets them, with ``tokens`` added from
+    ``__lengths__``; without any, the shard's bytes are those of a cache written before statistics existed.
+    """
+    named = {k[len(STAT_PREFIX) :]: v for k, v in samples.items() if k.startswith(STAT_PREFIX)}
+    if not named:
+        return {}
+    stats: dict[str, list[Any]] = {}
+    if LENGTHS_KEY in samples:
+        stats["tokens"] = samples[LENGTHS_KEY].to(torch.int64).tolist()
+    for name, value in named.items():
+        if value.is_floating_point():
+            stats[name] = [v if math.isfinite(v) else None for v in value.double().tolist()]
+        else:
+            stats[name] = value.to(torch.int64).tolist()
+    return stats
 
 
 def expected_parts(schema: Schema) -> set[str]:
@@ -118,7 +145,7 @@ def write_shard_file(
     """
     n, tokens, tensors = encode_shard(samples, schema)
     errors = encoding_error_sums(samples, schema, tensors)
-    meta = shard_metadata(shard_index, n, tokens, tensors, errors)
+    meta = shard_metadata(shard_index, n, tokens, tensors, errors, sample_stats(samples))
     return write_safetensors(path, tensors, meta), n, tokens, errors
 
 
@@ -228,6 +255,10 @@ class NativeShard:
     def num_rows(self) -> int:
         """Rows of the ragged keys in this shard (its sample count when no key is ragged)."""
         return self.row_offsets[-1]
+
+    def sample_stats(self) -> dict[str, list[Any]]:
+        """The per-sample statistics the shard's metadata records (empty for a shard written without them)."""
+        return json.loads(self.file.metadata.get(SHARD_META_STATS, "{}"))
 
     def encoding_error(self) -> dict[str, dict[str, float]]:
         """The measured error sums of the shard's lossy keys, as its metadata records them (empty when none)."""

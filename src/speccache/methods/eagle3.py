@@ -39,9 +39,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
+from speccache.data import SOURCE_ROW_KEY, source_row_spec
 from speccache.errors import CacheFormatError
-from speccache.format import LENGTHS_KEY, KeySpec, Schema, ShardFile
+from speccache.format import LENGTHS_KEY, STAT_PREFIX, KeySpec, Schema, ShardFile
+from speccache.format.view import is_view
+from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
 from speccache.read import CacheDataset, LocalityShuffleSampler, PadCollator, Sample, distributed_position
+from speccache.read.view import ViewDataset
 
 CACHE_NAME = "eagle3"
 SIDE_FILE = "eagle3_side.safetensors"
@@ -91,9 +95,26 @@ class Supervision:
         return f"topk:{self.k}" if self.mode == "topk" else self.mode
 
 
+def has_logits(supervision: Supervision, full_vocab: bool) -> bool:
+    """Whether the producer computes the target's logits (then samples also record its entropy and top-1)."""
+    return supervision.mode != "hidden" or not full_vocab
+
+
+def sample_stat_names(supervision: Supervision, full_vocab: bool) -> tuple[str, ...]:
+    """The per-sample statistics an EAGLE-3 shard records (besides ``tokens``)."""
+    return ("supervised_tokens", *(("mean_entropy", "mean_top1") if has_logits(supervision, full_vocab) else ()))
+
+
 def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's low/mid/high layers ``[1, L//2 - 1, L - 4]`` for ``L`` decoder layers."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
+    """EAGLE-3's low/mid/high layers ``[1, L//2 - 1, L - 4]`` for ``L`` decoder layers.
+
+    Those collide below 7 layers; there (``3 <= L < 7``) the first, middle and last layers
+    ``[0, L//2, L - 1]`` are used instead, three distinct layers.
+    """
+    layers = [1, num_layers // 2 - 1, num_layers - 4]
+    if len(set(layers)) == 3 and layers[0] < layers[1] < layers[2]:
+        return layers
+    return [0, num_layers // 2, num_layers - 1]
 
 
 def check_aux_layers(layers: Sequence[int], num_layers: int) -> list[int]:
@@ -153,6 +174,7 @@ def eagle3_schema(
         specs.append(KeySpec("topk_ids", torch.int32, (supervision.k,), ragged=True))
     if not full_vocab:
         specs.append(KeySpec("in_draft", torch.bool, (), ragged=True))
+    specs.append(source_row_spec())
     return {s.name: s for s in specs}
 
 
@@ -223,6 +245,10 @@ class Eagle3Target:
         supervision: what to compute.
         selected: the draft vocabulary (ascending target ids).
         dtype: storage dtype of float features.
+        nonfinite: ``fail`` or ``skip`` samples whose features are NaN/Inf (see :mod:`speccache.methods.finite`).
+
+    Raises:
+        ValueError: bad aux layers or ``nonfinite`` mode.
     """
 
     def __init__(
@@ -232,7 +258,9 @@ class Eagle3Target:
         supervision: Supervision,
         selected: torch.Tensor,
         dtype: torch.dtype,
+        nonfinite: str = "fail",
     ) -> None:
+        self.nonfinite = check_nonfinite_mode(nonfinite)
         self.model = model.eval()
         self.layers = decoder_layers(model)
         self.aux_layers = check_aux_layers(aux_layers, len(self.layers))
@@ -266,8 +294,11 @@ class Eagle3Target:
             "aux_hidden_states": torch.cat([captured[i] for i in self.aux_layers], dim=-1),
             "last_hidden_state": last,
         }
-        if self.supervision.mode != "hidden" or not self.full_vocab:
+        if has_logits(self.supervision, self.full_vocab):
             logits = self.lm_head(last).float()
+            log_probs = torch.log_softmax(logits, dim=-1)
+            feats[STAT_PREFIX + "mean_entropy"] = -(log_probs.exp() * log_probs).sum(-1)
+            feats[STAT_PREFIX + "mean_top1"] = log_probs.amax(-1).exp()
             draft_logits = logits[..., self.selected]
             if not self.full_vocab:
                 in_draft = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
@@ -283,22 +314,52 @@ class Eagle3Target:
                     feats["topk_ids"] = ids.to(torch.int32)
         return feats
 
+    def layer_of(self, key: str, column: int) -> str:
+        """Where column ``column`` of feature ``key`` comes from in the target (for error messages)."""
+        if key == "aux_hidden_states":
+            width = int(self.lm_head.weight.shape[1])
+            return f"decoder layer {self.aux_layers[column // width]} (aux layer {column // width} of 3)"
+        if key == "last_hidden_state":
+            return f"the final norm after decoder layer {len(self.layers) - 1}"
+        return "the LM head (softmax of the logits)"
+
     def compute_batch(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``compute_batch`` for the write loops: a padded token batch in, ragged cache rows out."""
+        """``compute_batch`` for the write loops: a padded token batch in, ragged cache rows out.
+
+        Raises:
+            NonFiniteFeatureError: a feature is NaN/Inf and the mode is ``fail``.
+        """
         input_ids = batch["input_ids"].to(self.device)
         attention_mask = batch["attention_mask"].to(self.device)
         feats = self.forward_features(input_ids, attention_mask)
         real = attention_mask.bool()
-        out: dict[str, torch.Tensor] = {
-            "input_ids": batch["input_ids"][batch["attention_mask"].bool()].to(torch.int32),
-            "loss_mask": batch["loss_mask"][batch["attention_mask"].bool()].bool(),
-            LENGTHS_KEY: batch["attention_mask"].sum(1).to(torch.int64),
-        }
         if self.supervision.mode != "hidden":
             feats.pop("last_hidden_state")
+        loss_mask = batch["loss_mask"].to(self.device).bool() & real
+        rows: dict[str, torch.Tensor] = {"loss_mask": loss_mask[real], LENGTHS_KEY: real.sum(1).to(torch.int64)}
+        # Row t predicts token t + 1: the target's distribution counts where loss_mask[t + 1] is set.
+        predicts = torch.zeros_like(loss_mask)
+        predicts[:, :-1] = loss_mask[:, 1:]
+        for name in [k for k in feats if k.startswith(STAT_PREFIX)]:
+            value = torch.where(predicts, feats.pop(name), 0.0)  # padding is never read, whatever it holds
+            rows[name] = value.sum(1) / predicts.sum(1).clamp_min(1)
         for name, value in feats.items():
-            rows = value[real]
-            out[name] = (rows.to(self.dtype) if rows.is_floating_point() else rows).cpu()
+            rows[name] = value[real].to(self.dtype) if value.is_floating_point() else value[real]
+        ids, source = batch.get("sample_index"), batch.get("source_row")
+        guard_nonfinite(
+            rows,
+            self.nonfinite,
+            self.layer_of,
+            sample_ids=None if ids is None else ids.tolist(),
+            source_rows=None if source is None else source.tolist(),
+        )
+        # after the guard, so that a cleared sample counts no supervised token
+        owner = torch.repeat_interleave(torch.arange(real.shape[0], device=self.device), rows[LENGTHS_KEY])
+        supervised = torch.zeros(real.shape[0], dtype=torch.int64, device=self.device)
+        rows[STAT_PREFIX + "supervised_tokens"] = supervised.index_add_(0, owner, rows["loss_mask"].to(torch.int64))
+        out = {"input_ids": batch["input_ids"][batch["attention_mask"].bool()].to(torch.int32)}
+        out.update((name, value.cpu()) for name, value in rows.items())
+        out[SOURCE_ROW_KEY] = source if source is not None else torch.full((real.shape[0],), -1, dtype=torch.int64)
         return out
 
 
@@ -398,7 +459,7 @@ def build_eagle3_dataloader(
     """A DataLoader of padded EAGLE-3 batches (with ``attention_mask`` and ``lengths``).
 
     Args:
-        cache_dir: the cache directory.
+        cache_dir: the cache directory, or a view (``speccache merge``/``subset``; its ``--weights`` are honoured).
         batch_size: samples per batch.
         shuffle: shuffle with shard locality (:class:`speccache.read.LocalityShuffleSampler`);
             call ``loader.sampler.set_epoch(e)`` each epoch, and ``state_dict``/``load_state_dict`` to resume mid-epoch.
@@ -415,14 +476,27 @@ def build_eagle3_dataloader(
     Raises:
         RuntimeError: ``distributed`` without an initialised process group.
     """
-    dataset = Eagle3CacheDataset(
-        cache_dir, keys, verify=verify, max_open_shards=max_open_shards, allow_incomplete=allow_incomplete
-    )
+    options: dict[str, Any] = dict(verify=verify, max_open_shards=max_open_shards, allow_incomplete=allow_incomplete)
+    dataset: Eagle3CacheDataset | ViewDataset
+    weights: list[float] | None = None
+    if is_view(cache_dir):
+        dataset = ViewDataset(cache_dir, keys, dataset_cls=Eagle3CacheDataset, **options)
+        first, prefetch = dataset.sources[0], None
+        weights = dataset.sample_weights() if any(w != 1.0 for w in dataset.sample_weights()) else None
+    else:
+        dataset = first = Eagle3CacheDataset(cache_dir, keys, **options)
+        prefetch = dataset.prefetch
     if sampler is None and (shuffle or distributed):
         rank, world_size = distributed_position() if distributed else (0, 1)
         if shuffle:
             sampler = LocalityShuffleSampler(
-                dataset, dataset.shard_size, seed=seed, rank=rank, world_size=world_size, prefetch=dataset.prefetch
+                dataset,
+                first.shard_size,
+                seed=seed,
+                rank=rank,
+                world_size=world_size,
+                prefetch=prefetch,
+                weights=weights,
             )
         else:
             sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
@@ -432,7 +506,7 @@ def build_eagle3_dataloader(
         batch_size=batch_size,
         sampler=sampler,
         num_workers=num_workers,
-        collate_fn=dataset.collator(),
+        collate_fn=first.collator(),
         **loader_kwargs,
     )
 

@@ -6,8 +6,10 @@ schema from the model config; sizes follow from the shard layout:
 
 * ``raw`` and ``fp8`` parts have sizes fixed by the row counts, and each shard's
   safetensors header is built by the writer's own code from those shapes, so the
-  estimate is exact apart from the digits of the measured fp8 error in the
-  shard metadata (a few bytes per shard).
+  estimate is exact apart from the digits of measured floats in the shard
+  metadata: the fp8 error sums (a few bytes per shard) and, when the run has the
+  target's logits at hand, each sample's mean entropy and top-1 probability (a
+  few bytes per sample; the counts of the per-sample statistics are exact).
 * ``zbf16`` stores the low byte of every value as it is (exact) and the high
   byte (sign and top 7 exponent bits) entropy-coded, so only a range can be given
   for it: :data:`ZBF16_HI_FRACTION` of the high plane's raw size.
@@ -35,11 +37,12 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from speccache.format import OFFSETS_KEY, KeySpec, Schema, get_encoding, part_name, safetensors_prefix
 from speccache.format.shard import shard_metadata
-from speccache.methods.eagle3 import CACHE_NAME, SIDE_FILE
+from speccache.methods.eagle3 import CACHE_NAME, Supervision, sample_stat_names
 from speccache.units import human_bytes
 
 __all__ = [
@@ -79,7 +82,11 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
 
 
 def estimate_shards(
-    schema: Schema, lengths: Sequence[int], shard_size: int, hi_fraction: float | Mapping[str, float]
+    schema: Schema,
+    lengths: Sequence[int],
+    shard_size: int,
+    hi_fraction: float | Mapping[str, float],
+    sample_stats: Mapping[str, Sequence[Any]] | None = None,
 ) -> dict[str, Any]:
     """Bytes of the native shards holding samples of these lengths, in order.
 
@@ -89,6 +96,8 @@ def estimate_shards(
         shard_size: samples per shard.
         hi_fraction: a zbf16 high plane's compressed size as a fraction of its raw size (one for
             every key, or per key).
+        sample_stats: the per-sample statistics the producer records (besides ``tokens``), one value per
+            sample (exact for counts; a typical value for the floats, whose digits vary).
 
     Returns:
         ``keys`` (data bytes per key, as ``speccache inspect`` counts them),
@@ -111,7 +120,11 @@ def estimate_shards(
         # The writer's metadata has the same fixed-length checksum strings for any data; empty tensors stand in.
         stand_ins = {name: torch.empty(0, dtype=torch.uint8) for name in layout}
         errors = {name: _ERROR_PLACEHOLDER for name, spec in schema.items() if not get_encoding(spec.encoding).lossless}
-        prefix, _ = safetensors_prefix(layout, shard_metadata(index, n, rows, stand_ins, errors))
+        stats = None
+        if sample_stats:
+            stats = {"tokens": list(lengths[start : start + n])}
+            stats.update((name, list(values[start : start + n])) for name, values in sample_stats.items())
+        prefix, _ = safetensors_prefix(layout, shard_metadata(index, n, rows, stand_ins, errors, stats))
         overhead += len(prefix) + (_nbytes(*layout[OFFSETS_KEY]) if ragged else 0)
         num_shards += 1
     return {
@@ -122,17 +135,40 @@ def estimate_shards(
     }
 
 
-def side_file_bytes(vocab_size: int, draft_vocab_size: int, hidden_size: int, weight_dtype: torch.dtype) -> int:
-    """Bytes of the EAGLE-3 side file (``embed_tokens``, draft ``lm_head`` rows, vocabulary maps)."""
+def side_file_bytes(
+    vocab_size: int, draft_vocab_size: int, hidden_size: int, weight_dtype: torch.dtype, cache_name: str = CACHE_NAME
+) -> int:
+    """Bytes of a method's side file: EAGLE-3's (``embed_tokens``, draft ``lm_head`` rows, vocabulary maps) or,
+    for ``cache_name="layers"``, the layer methods' (``embed_tokens`` and the whole ``lm_head``)."""
     layout: Layout = {
         "embed_tokens": (weight_dtype, (vocab_size, hidden_size)),
         "lm_head": (weight_dtype, (draft_vocab_size, hidden_size)),
-        "selected_token_ids": (torch.int64, (draft_vocab_size,)),
-        "d2t": (torch.int64, (draft_vocab_size,)),
-        "t2d": (torch.bool, (vocab_size,)),
     }
-    prefix, _ = safetensors_prefix(layout, {"speccache_side": CACHE_NAME})
+    if cache_name == CACHE_NAME:
+        layout |= {
+            "selected_token_ids": (torch.int64, (draft_vocab_size,)),
+            "d2t": (torch.int64, (draft_vocab_size,)),
+            "t2d": (torch.bool, (vocab_size,)),
+        }
+    prefix, _ = safetensors_prefix(layout, {"speccache_side": cache_name})
     return len(prefix) + sum(_nbytes(*v) for v in layout.values())
+
+
+# A typical repr of a mean entropy or top-1 probability: the header holds them as JSON text.
+_FLOAT_STAT_PLACEHOLDER = 0.6931471805599453
+
+
+def _sample_stats(plan: Any) -> dict[str, list[Any]] | None:
+    """The per-sample statistics an EAGLE-3 run records for these samples (none for other methods)."""
+    if plan.cache_name != CACHE_NAME:
+        return None
+    names = sample_stat_names(Supervision.parse(plan.cfg.supervision), plan.draft_vocab_size == plan.vocab_size)
+    masks = plan.samples.loss_mask.astype(np.int64)
+    supervised = np.diff(np.concatenate([[0], np.cumsum(masks)])[plan.samples.offsets]).tolist()
+    return {
+        name: supervised if name == "supervised_tokens" else [_FLOAT_STAT_PLACEHOLDER] * len(supervised)
+        for name in names
+    }
 
 
 def _weight_dtype(model_config: Any, model_dtype: str) -> torch.dtype:
@@ -166,11 +202,16 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
     from speccache.precompute.run import DTYPES, make_plan, padded_probs_bytes
 
     plan = make_plan(cfg)
-    lengths = [len(s.input_ids) for s in plan.samples]
-    low = estimate_shards(plan.schema, lengths, cfg.shard_size, ZBF16_HI_FRACTION[0])
-    high = estimate_shards(plan.schema, lengths, cfg.shard_size, ZBF16_HI_FRACTION[1])
+    lengths = plan.samples.lengths.tolist()
+    stats = _sample_stats(plan)
+    low = estimate_shards(plan.schema, lengths, cfg.shard_size, ZBF16_HI_FRACTION[0], stats)
+    high = estimate_shards(plan.schema, lengths, cfg.shard_size, ZBF16_HI_FRACTION[1], stats)
     side = side_file_bytes(
-        plan.vocab_size, plan.draft_vocab_size, plan.hidden_size, _weight_dtype(plan.model_config, cfg.model_dtype)
+        plan.vocab_size,
+        plan.draft_vocab_size,
+        plan.hidden_size,
+        _weight_dtype(plan.model_config, cfg.model_dtype),
+        plan.cache_name,
     )
     tokens = sum(lengths)
     itemsize = torch.empty((), dtype=DTYPES[cfg.dtype]).element_size()
@@ -195,7 +236,8 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
         "overhead_bytes": low["overhead"],
         "shard_bytes_low": low["total"],
         "shard_bytes_high": high["total"],
-        "side_file": SIDE_FILE,
+        "method": cfg.method,
+        "side_file": plan.side_file,
         "side_file_bytes": side,
         "total_bytes_low": low["total"] + side,
         "total_bytes_high": high["total"] + side,

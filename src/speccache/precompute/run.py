@@ -1,4 +1,4 @@
-"""``speccache precompute``: run a Hugging Face target over a chat dataset and write an EAGLE-3 cache.
+"""``speccache precompute``: run a Hugging Face target over a chat dataset and write an EAGLE-3 or layers cache.
 
 Everything that can be checked without the model (paths, flags, the model
 config, the data) is checked first, so a bad invocation fails in seconds and
@@ -14,17 +14,28 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 from torch.utils.data import DataLoader, Dataset
 
-from speccache.data import DataStats, TokenizedSample, file_content_hash, load_samples, tokenizer_hash
-from speccache.errors import DataError
-from speccache.format import LENGTHS_KEY, Manifest, Schema, shard_samples
+from speccache.data import (
+    REASONING_MODES,
+    SKIPPED_ROWS_FILE,
+    DataStats,
+    TokenizedSamples,
+    chat_format,
+    file_content_hash,
+    load_chat_tokenizer,
+    load_samples,
+    merge_parts,
+    tokenizer_hash,
+)
+from speccache.errors import DataError, SpeccacheError
+from speccache.format import LENGTHS_KEY, Manifest, Schema, load_manifest_json, manifest_path, shard_samples
 from speccache.methods.eagle3 import (
     CACHE_NAME,
     SIDE_FILE,
@@ -36,6 +47,14 @@ from speccache.methods.eagle3 import (
     select_draft_vocab,
     vocab_mapping,
 )
+from speccache.methods.finite import SKIP_REASON, ClearedCounter, check_nonfinite_mode
+from speccache.methods.layers import CACHE_NAME as LAYERS_CACHE_NAME
+from speccache.methods.layers import PRESETS as LAYER_PRESETS
+from speccache.methods.layers import SIDE_FILE as LAYERS_SIDE_FILE
+from speccache.methods.layers import LayerSelection, LayersTarget, layers_schema, preset_selection
+from speccache.methods.layers import side_tensors as layers_side_tensors
+from speccache.precompute.append import DATA_FIELDS, AppendedDataset, merge_stats, plan_append, stored_selection
+from speccache.precompute.target import check_shard_target, load_target, target_device
 from speccache.units import human_bytes
 from speccache.write import (
     CacheWriter,
@@ -50,7 +69,7 @@ from speccache.write import (
 
 log = logging.getLogger("speccache.precompute")
 
-METHODS = ("eagle3",)
+METHODS = ("eagle3", *LAYER_PRESETS)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -74,13 +93,36 @@ def add_precompute_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--aux-layers", default=None, help="three decoder layer ids, e.g. 1,15,28 (default [1, L//2-1, L-4])"
     )
+    p.add_argument(
+        "--layers",
+        default=None,
+        help="layer methods: layer ids to store, e.g. 1,9,17 (-1 the embeddings; default: the preset's)",
+    )
+    p.add_argument("--last-hidden", action="store_true", help="--method layers: also store last_hidden_state")
+    p.add_argument(
+        "--last-prenorm", action="store_true", help="layer methods: also store the last layer's output before the norm"
+    )
     p.add_argument("--draft-vocab-size", type=int, default=None, help="draft vocabulary size (default: the target's)")
     p.add_argument("--supervision", default="hidden", help="hidden (default), probs, or topk:K")
     p.add_argument(
         "--encode", default="", help="per-feature encodings, e.g. aux_hidden_states=fp8,last_hidden_state=zbf16"
     )
     p.add_argument("--limit", type=int, default=None, help="use only the first N usable rows")
-    p.add_argument("--skip-bad-rows", action="store_true", help="count and skip malformed rows instead of failing")
+    p.add_argument(
+        "--skip-bad-rows",
+        action="store_true",
+        help="count and skip rows that fail (malformed, template errors, unplaceable masks) instead of failing",
+    )
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file to use instead of the tokenizer's")
+    p.add_argument("--system-prompt", default=None, help="a system message added to rows that have none")
+    p.add_argument(
+        "--num-proc", type=int, default=None, help="tokenizer processes (default: this rank's share of the cores, <= 8)"
+    )
+    p.add_argument(
+        "--reasoning",
+        default="keep",
+        help="rendered <think> reasoning: keep (trained on, default) or mask (in the input, not in the loss)",
+    )
 
 
 @dataclass
@@ -96,15 +138,25 @@ class PrecomputeConfig:
     shard_size: int = 256
     dtype: str = "bf16"
     aux_layers: list[int] | None = None
+    layers: list[int] | None = None
+    last_hidden: bool = False
+    last_prenorm: bool = False
     draft_vocab_size: int | None = None
     supervision: str = "hidden"
     encodings: dict[str, str] = field(default_factory=dict)
     limit: int | None = None
     skip_bad_rows: bool = False
+    chat_template: str | None = None
+    system_prompt: str | None = None
+    reasoning: str = "keep"
+    num_proc: int | None = None
     resume: bool = False
+    append: bool = False
     device: str | None = None
     timeout: float = 1800.0
     model_dtype: str = "auto"
+    nonfinite: str = "fail"
+    shard_target: str = "replicate"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PrecomputeConfig:
@@ -124,15 +176,25 @@ class PrecomputeConfig:
             shard_size=args.shard_size,
             dtype=args.dtype,
             aux_layers=_parse_layers(args.aux_layers),
+            layers=_parse_layers(getattr(args, "layers", None), "--layers"),
+            last_hidden=getattr(args, "last_hidden", False),
+            last_prenorm=getattr(args, "last_prenorm", False),
             draft_vocab_size=args.draft_vocab_size,
             supervision=args.supervision,
             encodings=_parse_encodings(args.encode),
             limit=args.limit,
             skip_bad_rows=args.skip_bad_rows,
+            chat_template=getattr(args, "chat_template", None),
+            system_prompt=getattr(args, "system_prompt", None),
+            reasoning=getattr(args, "reasoning", "keep"),
+            num_proc=getattr(args, "num_proc", None),
             resume=getattr(args, "resume", False),
+            append=getattr(args, "append", False),
             device=getattr(args, "device", None),
             timeout=getattr(args, "timeout", 1800.0),
             model_dtype=getattr(args, "model_dtype", "auto"),
+            nonfinite=getattr(args, "nonfinite", "fail"),
+            shard_target=getattr(args, "shard_target", "replicate"),
         )
         cfg.check()
         return cfg
@@ -141,7 +203,22 @@ class PrecomputeConfig:
         """Check every setting that needs neither the model nor the data contents."""
         if self.method not in METHODS:
             raise ValueError(f"--method {self.method!r} is unknown; choose one of {', '.join(METHODS)}")
-        Supervision.parse(self.supervision)
+        if Supervision.parse(self.supervision).mode != "hidden" and self.method != "eagle3":
+            raise ValueError(
+                f"--supervision {self.supervision} is for --method eagle3; --method {self.method} stores "
+                "last_hidden_state, from which the LM head in its side file gives the logits"
+            )
+        if self.method == "eagle3" and (self.layers is not None or self.last_hidden or self.last_prenorm):
+            raise ValueError(
+                "--layers, --last-hidden and --last-prenorm are for the layer methods; "
+                "--method eagle3 takes --aux-layers"
+            )
+        if self.method != "eagle3" and (self.aux_layers is not None or self.draft_vocab_size is not None):
+            raise ValueError(
+                f"--aux-layers and --draft-vocab-size are for --method eagle3; --method {self.method} takes --layers "
+                "(the EAGLE-3 reader of a layers cache picks its aux layers from them)"
+            )
+        check_nonfinite_mode(self.nonfinite)
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
         if self.model_dtype not in ("auto", *DTYPES):
@@ -162,10 +239,17 @@ class PrecomputeConfig:
             )
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
-        if not os.path.isfile(self.data):
+        if not os.path.exists(self.data):
             raise FileNotFoundError(f"--data {self.data}: no such file")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise FileNotFoundError(f"--chat-template {self.chat_template}: no such file")
+        if self.num_proc is not None and self.num_proc < 1:
+            raise ValueError(f"--num-proc must be >= 1, got {self.num_proc}")
+        if self.reasoning not in REASONING_MODES:
+            raise ValueError(f"--reasoning {self.reasoning!r} is unknown; choose one of {', '.join(REASONING_MODES)}")
         if _looks_local(self.model) and not os.path.isdir(self.model):
             raise FileNotFoundError(f"--model {self.model}: no such model directory")
+        check_shard_target(self.shard_target)
         if self.out and os.path.exists(self.out) and not os.path.isdir(self.out):
             raise NotADirectoryError(f"--out {self.out} is a file; give a directory for the cache")
 
@@ -175,13 +259,13 @@ def _looks_local(model: str) -> bool:
     return os.path.exists(model) or model.startswith((".", "/", "~")) or model.count("/") > 1
 
 
-def _parse_layers(text: str | None) -> list[int] | None:
+def _parse_layers(text: str | None, flag: str = "--aux-layers") -> list[int] | None:
     if text is None:
         return None
     try:
         return [int(x) for x in text.replace("[", "").replace("]", "").split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--aux-layers {text!r} must be comma-separated integers, e.g. 1,15,28") from None
+        raise ValueError(f"{flag} {text!r} must be comma-separated integers, e.g. 1,15,28") from None
 
 
 def _parse_encodings(text: str) -> dict[str, str]:
@@ -205,7 +289,7 @@ class Plan:
     cfg: PrecomputeConfig
     model_config: Any
     tokenizer: Any
-    samples: list[TokenizedSample]
+    samples: TokenizedSamples
     stats: DataStats
     aux_layers: list[int]
     vocab_size: int
@@ -213,14 +297,25 @@ class Plan:
     draft_vocab_size: int
     schema: Schema
     manifest_config: dict[str, Any]
+    selection: LayerSelection | None = None
 
     @property
     def num_tokens(self) -> int:
         """Tokens in all samples."""
-        return sum(len(s.input_ids) for s in self.samples)
+        return self.samples.num_tokens
+
+    @property
+    def cache_name(self) -> str:
+        """The manifest's ``cache_name``: ``eagle3``, or ``layers`` for every layer method."""
+        return CACHE_NAME if self.selection is None else LAYERS_CACHE_NAME
+
+    @property
+    def side_file(self) -> str:
+        """The method's side file name."""
+        return SIDE_FILE if self.selection is None else LAYERS_SIDE_FILE
 
 
-def make_plan(cfg: PrecomputeConfig) -> Plan:
+def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
     """Load the model config and tokenizer, read the data, and decide the schema; the model is not loaded.
 
     Raises:
@@ -228,7 +323,7 @@ def make_plan(cfg: PrecomputeConfig) -> Plan:
         ValueError: aux layers, draft vocab size or encodings do not fit the model.
         DataError: the data has no usable row, or a malformed row.
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     try:
         model_config = AutoConfig.from_pretrained(cfg.model)
@@ -238,8 +333,15 @@ def make_plan(cfg: PrecomputeConfig) -> Plan:
         ) from exc
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     num_layers = int(text_config.num_hidden_layers)
-    aux = check_aux_layers(cfg.aux_layers if cfg.aux_layers is not None else default_aux_layers(num_layers), num_layers)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    selection = None
+    if cfg.method == "eagle3":
+        aux = check_aux_layers(
+            cfg.aux_layers if cfg.aux_layers is not None else default_aux_layers(num_layers), num_layers
+        )
+    else:
+        aux = []
+        selection = preset_selection(cfg.method, num_layers, cfg.layers, cfg.last_hidden, cfg.last_prenorm)
+    tokenizer = load_chat_tokenizer(cfg.model)
     vocab_size = int(text_config.vocab_size)
     draft = cfg.draft_vocab_size if cfg.draft_vocab_size is not None else vocab_size
     if not 1 <= draft <= vocab_size:
@@ -248,12 +350,27 @@ def make_plan(cfg: PrecomputeConfig) -> Plan:
     if supervision.mode == "topk" and supervision.k > draft:
         raise ValueError(f"--supervision topk:{supervision.k} asks for more than the {draft} draft tokens")
     hidden = int(text_config.hidden_size)
-    schema = eagle3_schema(hidden, DTYPES[cfg.dtype], supervision, draft, draft == vocab_size, cfg.encodings)
-    samples, stats = load_samples(cfg.data, tokenizer, cfg.max_length, limit=cfg.limit, skip_bad_rows=cfg.skip_bad_rows)
+    if selection is None:
+        schema = eagle3_schema(hidden, DTYPES[cfg.dtype], supervision, draft, draft == vocab_size, cfg.encodings)
+        method_config: dict[str, Any] = {"aux_layers": aux, "supervision": str(supervision), "draft_vocab_size": draft}
+    else:
+        schema = layers_schema(selection, hidden, DTYPES[cfg.dtype], cfg.encodings)
+        method_config = {
+            "layers": list(selection.layers),
+            "last_hidden": selection.last_hidden,
+            "last_prenorm": selection.last_prenorm,
+            "num_layers": num_layers,
+            "architecture": (getattr(model_config, "architectures", None) or [type(model_config).__name__])[0],
+            "model_type": getattr(model_config, "model_type", None),
+            "features": {f.key: f.to_json() for f in selection.features()},
+        }
+    fmt = chat_format(tokenizer, cfg.chat_template, cfg.reasoning, cfg.system_prompt, _pinned_date(cfg))
+    samples, stats = _load_data(cfg, tokenizer, fmt, comm or LocalComm())
     if not samples:
+        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(stats.skipped.items())) or "none skipped"
         raise DataError(
-            f"--data {cfg.data}: no usable row ({stats.rows_read} read, {stats.rows_skipped_no_assistant} without an "
-            f"assistant token, {stats.rows_skipped_bad} malformed). Check the file's format (see the README)."
+            f"--data {cfg.data}: no usable row ({stats.rows_read} read; skipped: {reasons}). "
+            "Check the file's format (see the README)."
         )
     manifest_config = {
         "method": cfg.method,
@@ -264,18 +381,54 @@ def make_plan(cfg: PrecomputeConfig) -> Plan:
         "data_hash": file_content_hash(cfg.data),
         "max_length": cfg.max_length,
         "batch_size": cfg.batch_size,
-        "aux_layers": aux,
+        **method_config,
         "dtype": cfg.dtype,
         "model_dtype": cfg.model_dtype,
-        "supervision": str(supervision),
-        "draft_vocab_size": draft,
         "vocab_size": vocab_size,
         "hidden_size": hidden,
         "encodings": {k: s.encoding for k, s in schema.items() if s.encoding != "raw"},
         "limit": cfg.limit,
         "skip_bad_rows": cfg.skip_bad_rows,
+        "chat_template_hash": None if fmt is None else xxhash.xxh3_128_hexdigest(fmt.template.encode()),
+        "system_prompt": cfg.system_prompt,
+        "reasoning": cfg.reasoning,
+        "chat_date": fmt.date if fmt is not None and fmt.uses_date else None,
     }
-    return Plan(cfg, model_config, tokenizer, samples, stats, aux, vocab_size, hidden, draft, schema, manifest_config)
+    return Plan(
+        cfg, model_config, tokenizer, samples, stats, aux, vocab_size, hidden, draft, schema, manifest_config, selection
+    )
+
+
+def _load_data(cfg: PrecomputeConfig, tokenizer: Any, fmt: Any, comm: Comm) -> tuple[TokenizedSamples, DataStats]:
+    """Tokenize the data; under torchrun (without --limit) each rank reads every world_size-th row, then all join."""
+    kwargs = dict(skip_bad_rows=cfg.skip_bad_rows, fmt=fmt, num_proc=cfg.num_proc or default_num_proc())
+    if comm.world_size == 1 or cfg.limit is not None:
+        return load_samples(cfg.data, tokenizer, cfg.max_length, limit=cfg.limit, **kwargs)
+    try:
+        mine: Any = load_samples(cfg.data, tokenizer, cfg.max_length, part=(comm.rank, comm.world_size), **kwargs)
+    except DataError as e:
+        mine = e
+    parts = comm.all_gather(mine)
+    errors = [p for p in parts if isinstance(p, BaseException)]
+    if errors:  # every rank raises the error of the first bad row in the file
+        raise min(errors, key=lambda e: getattr(e, "row", -1))
+    return merge_parts(parts)
+
+
+def default_num_proc() -> int:
+    """``--num-proc`` by default: this rank's share of the cores, at most 8."""
+    per_rank = (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, min(8, per_rank))
+
+
+def _pinned_date(cfg: PrecomputeConfig) -> str | None:
+    """The date a resumed run's template renders: the one its manifest recorded (None: today's)."""
+    if not (cfg.resume or cfg.append) or not cfg.out or not os.path.exists(manifest_path(cfg.out)):
+        return None
+    try:
+        return load_manifest_json(manifest_path(cfg.out)).get("config", {}).get("chat_date")
+    except (OSError, SpeccacheError, AttributeError):
+        return None  # the writer's own checks report an unreadable manifest
 
 
 def _config_hash(model_config: Any) -> str:
@@ -292,17 +445,19 @@ def _config_hash(model_config: Any) -> str:
 class TokenizedDataset(Dataset):
     """The tokenized samples as tensors."""
 
-    def __init__(self, samples: Sequence[TokenizedSample]) -> None:
+    def __init__(self, samples: TokenizedSamples) -> None:
         self.samples = samples
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        s = self.samples[index]
+        ids, mask = self.samples.arrays(index)
         return {
-            "input_ids": torch.tensor(s.input_ids, dtype=torch.int64),
-            "loss_mask": torch.tensor(s.loss_mask, dtype=torch.bool),
+            "input_ids": torch.from_numpy(ids.astype(np.int64)),
+            "loss_mask": torch.from_numpy(mask.astype(np.bool_)),
+            "sample_index": torch.tensor(index, dtype=torch.int64),  # names the sample in a non-finite error
+            "source_row": torch.tensor(int(self.samples.source_rows[index]), dtype=torch.int64),
         }
 
 
@@ -315,31 +470,27 @@ def pad_tokens(items: list[dict[str, torch.Tensor]], pad_id: int = 0) -> dict[st
     for i, t in enumerate(items):
         n = t["input_ids"].numel()
         ids[i, :n], mask[i, :n], attn[i, :n] = t["input_ids"], t["loss_mask"], 1
-    return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
+    batch = {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
+    for key in ("sample_index", "source_row"):
+        if key in items[0]:
+            batch[key] = torch.stack([t[key] for t in items])
+    return batch
 
 
 def draft_token_counts(plan: Plan, comm: Comm) -> torch.Tensor:
     """Loss-masked token counts over the whole dataset: each rank counts its block, then all ranks sum."""
     _, start, n = partition_cache_shards(len(plan.samples), plan.cfg.shard_size, comm.world_size, comm.rank)
-    counts = torch.zeros(plan.vocab_size, dtype=torch.int64)
-    for s in plan.samples[start : start + n]:
-        ids = torch.tensor(s.input_ids, dtype=torch.int64)[torch.tensor(s.loss_mask, dtype=torch.bool)]
-        counts += torch.bincount(ids.clamp(0, plan.vocab_size - 1), minlength=plan.vocab_size)
-    return comm.sum_tensor(counts)
+    offsets, end = plan.samples.offsets, len(plan.samples)
+    # a rank that owns no shard starts past the last sample: its block is empty
+    a, b = int(offsets[min(start, end)]), int(offsets[min(start + n, end)])
+    ids = plan.samples.input_ids[a:b][plan.samples.loss_mask[a:b].astype(bool)]
+    counts = np.bincount(np.clip(ids, 0, plan.vocab_size - 1), minlength=plan.vocab_size)
+    return comm.sum_tensor(torch.from_numpy(counts.astype(np.int64)))
 
 
 def _special_ids(tokenizer: Any) -> list[int]:
     ids = [getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")]
     return [i for i in ids if isinstance(i, int)]
-
-
-def load_target(cfg: PrecomputeConfig, device: torch.device) -> torch.nn.Module:
-    """Load the target model for inference."""
-    from transformers import AutoModelForCausalLM
-
-    dtype: Any = "auto" if cfg.model_dtype == "auto" else DTYPES[cfg.model_dtype]
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
-    return model.to(device).eval().requires_grad_(False)
 
 
 def padded_probs_bytes(num_samples: int, max_length: int, hidden: int, draft_vocab: int, itemsize: int) -> int:
@@ -348,17 +499,8 @@ def padded_probs_bytes(num_samples: int, max_length: int, hidden: int, draft_voc
     return num_samples * max_length * per_token
 
 
-def target_device(cfg: PrecomputeConfig) -> torch.device:
-    """The target's device: ``--device``, else CUDA (``cuda:LOCAL_RANK`` under torchrun) if available, else CPU."""
-    if cfg.device:
-        return torch.device(cfg.device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
 def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bool = True) -> Manifest:
-    """Write an EAGLE-3 cache; returns the sealed manifest.
+    """Write the cache of ``cfg.method`` (EAGLE-3 or a layer method); returns the sealed manifest.
 
     Args:
         cfg: the validated settings.
@@ -370,45 +512,68 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
         DataError, ValueError: bad data or settings (nothing written).
     """
     comm = comm or LocalComm()
-    device = target_device(cfg)
-    plan = make_plan(cfg)
+    device = target_device(cfg.device)
+    plan = make_plan(cfg, comm)
+    extension = plan_append(cfg.out, plan.manifest_config, len(plan.samples), cfg.shard_size) if cfg.append else None
     writer = CacheWriter(
         cfg.out,
-        cache_name=CACHE_NAME,
+        cache_name=plan.cache_name,
         schema=plan.schema,
         shard_size=cfg.shard_size,
-        num_samples=len(plan.samples),
-        config=plan.manifest_config,
+        num_samples=len(plan.samples) if extension is None else extension.num_samples,
+        config=plan.manifest_config if extension is None else extension.config,
         resume=cfg.resume,
         comm=comm,
+        append_fields=None if extension is None else DATA_FIELDS,
     )
     writer.preflight()
-    counts = draft_token_counts(plan, comm)
-    selected = select_draft_vocab(counts, plan.draft_vocab_size, _special_ids(plan.tokenizer))
-    model = load_target(cfg, device)
-    target = Eagle3Target(model, plan.aux_layers, Supervision.parse(cfg.supervision), selected, DTYPES[cfg.dtype])
+    if extension is not None and plan.selection is None:  # an append keeps the cache's draft vocabulary
+        selected = stored_selection(cfg.out, plan.side_file)
+    else:
+        counts = draft_token_counts(plan, comm)
+        selected = select_draft_vocab(counts, plan.draft_vocab_size, _special_ids(plan.tokenizer))
+    loaded = load_target(cfg.model, cfg.model_dtype, device, cfg.shard_target)
+    model = loaded.model
+    target: Eagle3Target | LayersTarget
 
     def side_tensors() -> dict[str, torch.Tensor]:
+        if plan.selection is not None:
+            return layers_side_tensors(loaded.input_embeddings(), loaded.output_embeddings())
         return {
-            "embed_tokens": model.get_input_embeddings().weight.detach().cpu().contiguous(),
-            "lm_head": model.get_output_embeddings().weight.detach()[selected.to(device)].cpu().contiguous(),
+            "embed_tokens": loaded.input_embeddings().contiguous(),
+            "lm_head": loaded.output_embeddings()[selected].contiguous(),
             **vocab_mapping(selected, plan.vocab_size),
         }
 
+    if plan.selection is None:
+        target = Eagle3Target(
+            model, plan.aux_layers, Supervision.parse(cfg.supervision), selected, DTYPES[cfg.dtype], cfg.nonfinite
+        )
+    else:
+        target = LayersTarget(model, plan.selection, DTYPES[cfg.dtype], cfg.nonfinite)
+
     pad_id = plan.tokenizer.pad_token_id if isinstance(plan.tokenizer.pad_token_id, int) else 0
+    dataset: Dataset = TokenizedDataset(plan.samples)
     loader = DataLoader(
-        TokenizedDataset(plan.samples), batch_size=cfg.batch_size, collate_fn=lambda b: pad_tokens(b, pad_id)
+        dataset if extension is None else AppendedDataset(extension, dataset),
+        batch_size=cfg.batch_size,
+        collate_fn=lambda b: pad_tokens(b, pad_id),
     )
     ragged = [k for k, s in plan.schema.items() if s.ragged]
     itemsize = torch.empty((), dtype=DTYPES[cfg.dtype]).element_size()
     started = time.monotonic()
-    with writer.writing(side_files=(SideFile(SIDE_FILE, side_tensors, {"speccache_side": CACHE_NAME}),)) as run:
-        todo_samples = sum(shard_samples(i, len(plan.samples), cfg.shard_size) for i in run.shards)
+    side_file = SideFile(plan.side_file, side_tensors, {"speccache_side": plan.cache_name})
+    # skipped_rows.jsonl is written only when a row was skipped, so a clean dataset's cache has no empty file.
+    skipped_file = SideFile(SKIPPED_ROWS_FILE, content=plan.stats.skipped_rows_jsonl)
+    with writer.writing(side_files=(side_file, skipped_file) if plan.stats.skipped_rows else (side_file,)) as run:
+        todo_samples = sum(shard_samples(i, writer.manifest.num_samples, cfg.shard_size) for i in run.shards)
         bar = _Progress(todo_samples, enabled=progress and comm.rank == 0)
 
         def on_batch(out: dict[str, torch.Tensor]) -> None:
             bar.update(int(out[LENGTHS_KEY].numel()), int(out[LENGTHS_KEY].sum()), writer.shard_writer.records)
 
+        cleared = ClearedCounter(run.write_shard)
+        cleared.count_kept(cfg.out, plan.schema, sorted(set(writer.local_shards) - set(run.shards)))
         try:
             compute_shard_runs(
                 loader,
@@ -416,7 +581,7 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
                 cfg.shard_size,
                 run.shards,
                 target.compute_batch,
-                run.write_shard,
+                cleared.write_shard,
                 log,
                 ragged_keys=ragged,
                 sync_max_steps=comm.max_int if comm.world_size > 1 else None,
@@ -426,8 +591,7 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
             bar.close()
         run.stats = {
             "rows_read": plan.stats.rows_read,
-            "rows_skipped_no_assistant": plan.stats.rows_skipped_no_assistant,
-            "rows_skipped_bad": plan.stats.rows_skipped_bad,
+            "skipped_rows": dict(sorted(plan.stats.skipped.items())),
             "rows_truncated": plan.stats.rows_truncated,
             "samples": len(plan.samples),
             "tokens": plan.num_tokens,
@@ -435,6 +599,14 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
                 len(plan.samples), cfg.max_length, plan.hidden_size, plan.draft_vocab_size, itemsize
             ),
         }
+        if extension is not None:
+            run.stats = merge_stats(extension.stats_before, run.stats)
+        # counted over every shard of the cache (an append's too): a total, not a sum
+        nonfinite = int(comm.sum_tensor(torch.tensor([cleared.total], dtype=torch.int64))[0])
+        if nonfinite or cfg.nonfinite == "skip":
+            run.stats.setdefault("skipped_rows", {})[SKIP_REASON] = nonfinite
+        if cfg.shard_target != "replicate":  # informational: a resume may change the mode and the world size
+            run.stats["parallel"] = {"shard_target": cfg.shard_target, "world_size": comm.world_size}
     manifest = writer.manifest
     if comm.rank == 0 and progress:
         print(summary_line(manifest, time.monotonic() - started))
@@ -450,7 +622,7 @@ def summary_line(manifest: Manifest, seconds: float) -> str:
     tokens = manifest.num_tokens or 0
     padded = int(stats.get("padded_probs_bytes", 0))
     ratio = f"{padded / total:.1f}x smaller" if total else "-"
-    skipped = stats.get("rows_skipped_no_assistant", 0) + stats.get("rows_skipped_bad", 0)
+    skipped = sum((stats.get("skipped_rows") or {}).values())
     return (
         f"speccache: {manifest.num_samples} samples ({skipped} rows skipped), {tokens} tokens, "
         f"{human_bytes(total)} ({shard_bytes / (tokens or 1):.0f} bytes/token) in {seconds:.1f}s; "
@@ -493,7 +665,7 @@ def cmd_precompute(args: argparse.Namespace) -> int:
     """Run ``speccache precompute``."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = PrecomputeConfig.from_args(args)
-    comm = init_from_env(target_device(cfg), cfg.timeout)
+    comm = init_from_env(target_device(cfg.device), cfg.timeout)
     try:
         run_precompute(cfg, comm, progress=not args.quiet)
     finally:
@@ -503,14 +675,32 @@ def cmd_precompute(args: argparse.Namespace) -> int:
 
 def register_commands(sub: Any) -> None:
     """Add ``precompute`` to the CLI."""
-    p = sub.add_parser("precompute", help="run a target over chat data and write its features (EAGLE-3)")
+    p = sub.add_parser(
+        "precompute", help="run a target over chat data and write its features (EAGLE-3, layers, DSpark, DFlash, MTP)"
+    )
     add_precompute_arguments(p)
     p.add_argument("--out", required=True, help="cache directory to write")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run with the same settings")
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="add --data's rows to the sealed cache at --out as new samples (same model and settings); "
+        "re-run the same command to finish a killed append",
+    )
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument(
         "--model-dtype", default="auto", help="dtype to run the target in: auto (checkpoint), bf16, fp16, fp32"
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a rank waits for the others under torchrun")
+    p.add_argument(
+        "--shard-target",
+        default="replicate",
+        help="under torchrun: replicate (a whole target per rank, default) or fsdp (FSDP2 over all ranks)",
+    )
+    p.add_argument(
+        "--nonfinite",
+        default="fail",
+        help="a NaN/Inf feature: fail (default; names sample, row, key, layer) or skip (clear the sample, count it)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(func=cmd_precompute)

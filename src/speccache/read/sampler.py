@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any
 
 import numpy as np
@@ -71,6 +71,10 @@ class LocalityShuffleSampler(Sampler[int]):
             sampler is iterated: the DataLoader's main process, whose page cache its workers share.
         prefetch_ahead: how many indices ``prefetch`` stays ahead (default ``4 * shard_size``: a deep
             queue of reads keeps a disk busier than a shallow one).
+        weights: per-sample mixture weights (e.g. :meth:`speccache.read.view.ViewDataset.sample_weights` of a
+            merge made with ``--weights``): sample ``i`` appears ``floor(w)`` times per epoch, plus once more for a
+            fixed seeded choice of a ``frac(w)`` share of the samples of weight ``w``; the copies are spread by the
+            same windowed shuffle, so reads stay local.
 
     Raises:
         ValueError: a non-positive ``shard_size``, ``window`` or ``world_size``, or ``rank`` out of range.
@@ -88,10 +92,20 @@ class LocalityShuffleSampler(Sampler[int]):
         drop_last: bool = False,
         prefetch: Callable[[list[int]], object] | None = None,
         prefetch_ahead: int | None = None,
+        weights: Sequence[float] | None = None,
     ) -> None:
         num_samples = len(data) if isinstance(data, Sized) else operator.index(data)
         if num_samples < 0:
             raise ValueError(f"dataset length must be >= 0, got {num_samples}")
+        self.copies: np.ndarray | None = None
+        """The sample behind each position of the epoch, when ``weights`` repeat samples."""
+        if weights is not None:
+            w = np.asarray(weights, dtype=np.float64)
+            if w.shape != (num_samples,) or not np.all(np.isfinite(w)) or np.any(w < 0):
+                raise ValueError(f"weights must give one finite weight >= 0 per sample ({num_samples})")
+            extra = np.random.default_rng([seed, 0x5EED]).random(num_samples) < w - np.floor(w)
+            self.copies = np.repeat(np.arange(num_samples, dtype=np.int64), np.floor(w).astype(np.int64) + extra)
+            num_samples = len(self.copies)
         prefetch_ahead = 4 * shard_size if prefetch_ahead is None else prefetch_ahead
         shard_size, window, world_size, prefetch_ahead = (
             _positive(name, value)
@@ -132,7 +146,8 @@ class LocalityShuffleSampler(Sampler[int]):
         self.epoch = epoch
 
     def epoch_order(self, epoch: int | None = None) -> np.ndarray:
-        """The global sequence of ``epoch`` (default: the current one), every sample once, before the rank split."""
+        """The global sequence of ``epoch`` (default: the current one), before the rank split: every sample once
+        (with ``weights``, as many times as its weight gives)."""
         rng = np.random.default_rng([self.seed, self.epoch if epoch is None else epoch])
         n, size = self.num_samples, self.shard_size
         shards = rng.permutation(-(-n // size))
@@ -143,7 +158,7 @@ class LocalityShuffleSampler(Sampler[int]):
         for first in range(0, len(shards), self.window):
             last = min(first + self.window, len(shards))
             rng.shuffle(order[ends[first] - lengths[first] : ends[last - 1]])
-        return order
+        return order if self.copies is None else self.copies[order]
 
     def rank_order(self, epoch: int | None = None) -> np.ndarray:
         """This rank's whole sequence for ``epoch`` (default: the current one), ignoring :attr:`start`."""

@@ -50,6 +50,7 @@ from speccache.format import (
     num_shards,
     remove_temp_files,
     shard_path,
+    write_bytes_file,
     write_safetensors,
 )
 from speccache.format.lock import lock_path
@@ -68,17 +69,19 @@ SHARED_FS_WAIT_S = 60.0
 
 @dataclass(frozen=True)
 class SideFile:
-    """A method's side file: safetensors tensors written once, by rank 0, before any shard.
+    """A side file written once, by rank 0, before any shard: safetensors tensors, or plain bytes.
 
     Attributes:
         name: the file name inside the cache directory.
         tensors: called on rank 0 only, when the file is written (so other ranks never build them).
         metadata: the safetensors metadata.
+        content: instead of ``tensors``, the file's bytes (e.g. ``skipped_rows.jsonl``), called like ``tensors``.
     """
 
     name: str
-    tensors: Callable[[], Mapping[str, torch.Tensor]]
+    tensors: Callable[[], Mapping[str, torch.Tensor]] | None = None
     metadata: Mapping[str, str] = field(default_factory=dict)
+    content: Callable[[], bytes] | None = None
 
 
 @dataclass
@@ -108,6 +111,8 @@ class CacheWriter:
         config: producer configuration; a resume must match it exactly.
         resume: continue an interrupted run instead of refusing an existing cache.
         comm: the process group (one process by default).
+        append_fields: grow an existing cache: its sample count and these ``config`` fields (the data) may differ
+            from the cache's; every other field must match. Shards that still fit are kept, the rest computed.
 
     Raises:
         CacheExistsError, ConfigMismatchError, CacheLockedError: from :meth:`preflight` and
@@ -125,10 +130,12 @@ class CacheWriter:
         config: dict[str, Any],
         resume: bool = False,
         comm: Comm | None = None,
+        append_fields: frozenset[str] | None = None,
     ) -> None:
         self.cache_dir = cache_dir
         self.comm = comm or LocalComm()
-        self.resume = resume
+        self.append_fields = append_fields
+        self.resume = resume or append_fields is not None
         self.manifest = Manifest(
             cache_name=cache_name,
             schema=schema,
@@ -257,7 +264,14 @@ class CacheWriter:
         return True
 
     def _write_side_file(self, side: SideFile) -> None:
-        written = write_safetensors(os.path.join(self.cache_dir, side.name), side.tensors(), side.metadata)
+        path = os.path.join(self.cache_dir, side.name)
+        if side.content is not None:
+            data = side.content()
+            self.manifest.side_files[side.name] = SideFileRecord(len(data), write_bytes_file(path, data))
+            return
+        if side.tensors is None:
+            raise ValueError(f"side file {side.name} has neither tensors nor content")
+        written = write_safetensors(path, side.tensors(), side.metadata)
         self.manifest.side_files[side.name] = SideFileRecord(written.bytes, written.checksum)
 
     def _check_directory(self) -> Manifest | None:
@@ -278,9 +292,15 @@ class CacheWriter:
             )
         body = load_manifest_json(manifest_path(self.cache_dir))
         wanted = self.manifest.resume_identity()
-        differing = [key for key in COMPARED_ON_RESUME if body.get(key) != wanted[key]]
+        found_identity = {key: body.get(key) for key in COMPARED_ON_RESUME}
+        if self.append_fields is not None:  # an append grows the cache and changes its data, nothing else
+            for identity in (found_identity, wanted):
+                identity["num_samples"] = None
+                config = identity["config"] or {}
+                identity["config"] = {k: v for k, v in config.items() if k not in self.append_fields}
+        differing = [key for key in COMPARED_ON_RESUME if found_identity[key] != wanted[key]]
         if differing:
-            details = "; ".join(_describe_difference(key, body.get(key), wanted[key]) for key in differing)
+            details = "; ".join(_describe_difference(key, found_identity[key], wanted[key]) for key in differing)
             raise ConfigMismatchError(
                 f"cannot resume {self.cache_dir}: the existing cache was written with a different configuration "
                 f"({details}). Re-run with the original settings, or write to a new directory; nothing was changed."

@@ -25,7 +25,16 @@ from speccache.errors import DistributedError
 
 T = TypeVar("T")
 
-__all__ = ["Comm", "LocalComm", "TorchComm", "launched_distributed", "init_from_env", "shutdown"]
+__all__ = [
+    "Comm",
+    "LocalComm",
+    "TorchComm",
+    "launched_distributed",
+    "init_from_env",
+    "shutdown",
+    "fully_shard_units",
+    "local_rows",
+]
 
 
 class Comm(Protocol):
@@ -180,6 +189,33 @@ def init_from_env(device: torch.device, timeout_s: float) -> Comm:
             "same rendezvous settings and can reach that address."
         ) from exc
     return TorchComm(device, timeout_s=timeout_s, owns_group=True)
+
+
+def fully_shard_units(units: list[torch.nn.Module], device: torch.device) -> None:
+    """Wrap each module of ``units`` with FSDP2 over all ranks, innermost first (the last is the root).
+
+    Raises:
+        ValueError: no process group is initialised (not launched by ``torchrun``).
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        raise ValueError("--shard-target fsdp runs under torchrun (it shards the target over the ranks)")
+    mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+
+
+def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This rank's part of a parameter (its local shard if sharded by FSDP2, else all of it) and its first row."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(param, DTensor):
+        return param, 0
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return param.to_local(), int(offset[0]) if offset else 0
 
 
 def shutdown(comm: Comm) -> None:

@@ -1,0 +1,232 @@
+"""Reading and making views (:mod:`speccache.format.view`): merged caches and subsets, without rewriting shards.
+
+``make_merge_view`` concatenates sealed caches of one schema and compatible
+configuration (they may differ only in their data); ``make_subset_view``
+selects the samples of a cache whose per-sample statistics satisfy a
+``--where`` expression. :class:`ViewDataset` reads a view like a cache, through
+one :class:`speccache.read.CacheDataset` per source.
+
+``--where`` grammar: clauses ``NAME OP NUMBER`` joined by ``and``, where NAME
+is a per-sample statistic of the cache (``speccache inspect --stats`` lists
+them: ``tokens``, ``supervised_tokens``, ``mean_entropy``, ``mean_top1``) and
+OP one of ``>= > <= < == !=``. A sample without a value for NAME is not
+selected.
+"""
+
+from __future__ import annotations
+
+import bisect
+import operator
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from speccache.errors import CacheFormatError, CacheIncompleteError
+from speccache.format import Manifest, file_checksum, shard_path
+from speccache.format.view import View, source_record
+from speccache.read.dataset import CacheDataset, Sample
+from speccache.read.stats import cache_sample_stats
+
+__all__ = ["ViewDataset", "make_merge_view", "make_subset_view", "parse_where", "verify_view"]
+
+DATA_FIELDS = frozenset({"data", "data_hash", "limit", "skip_bad_rows"})
+"""Config fields merged caches may differ in: what data they were computed from."""
+
+_OPS: dict[str, Callable[[float, float], bool]] = {
+    ">=": operator.ge,
+    ">": operator.gt,
+    "<=": operator.le,
+    "<": operator.lt,
+    "==": operator.eq,
+    "!=": operator.ne,
+}
+_CLAUSE = re.compile(r"^\s*([A-Za-z_]\w*)\s*(>=|<=|==|!=|>|<)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
+
+
+def parse_where(expr: str) -> list[tuple[str, str, float]]:
+    """Parse a ``--where`` expression into ``(name, op, number)`` clauses.
+
+    Raises:
+        ValueError: a clause that is not ``NAME OP NUMBER``; names the clause and the grammar.
+    """
+    clauses = []
+    for text in re.split(r"\s+and\s+", expr.strip()):
+        m = _CLAUSE.match(text)
+        if not m:
+            raise ValueError(
+                f"--where clause {text!r} must look like NAME OP NUMBER (OP one of >= > <= < == !=), "
+                "clauses joined by 'and', e.g. 'supervised_tokens >= 16 and mean_entropy < 2.5'"
+            )
+        clauses.append((m.group(1), m.group(2), float(m.group(3))))
+    return clauses
+
+
+def _sealed(cache_dir: str) -> Manifest:
+    manifest = Manifest.read(cache_dir)
+    if not manifest.complete:
+        raise CacheIncompleteError(f"{cache_dir}: a view needs sealed caches; finish it with --resume first")
+    return manifest
+
+
+def _runs(source: int, indices: Sequence[int]) -> list[tuple[int, int, int]]:
+    runs: list[tuple[int, int, int]] = []
+    for i in indices:
+        if runs and runs[-1][2] == i:
+            runs[-1] = (source, runs[-1][1], i + 1)
+        else:
+            runs.append((source, i, i + 1))
+    return runs
+
+
+def make_merge_view(caches: Sequence[str], out: str, weights: Sequence[float] | None = None) -> View:
+    """Write a view at ``out`` that concatenates ``caches`` (all of their samples, in order).
+
+    Raises:
+        CacheFormatError: the caches differ in kind, schema, shard size or configuration other than their data
+            (every difference is listed), or ``weights`` do not fit.
+        CacheIncompleteError: a cache is not sealed.
+    """
+    if weights is not None and (len(weights) != len(caches) or any(not w > 0 for w in weights)):
+        raise CacheFormatError(f"--weights {list(weights)} must give one positive weight per cache ({len(caches)})")
+    manifests = [_sealed(c) for c in caches]
+    first = manifests[0]
+    for cache, m in zip(caches[1:], manifests[1:]):
+        differences = [
+            f"{name}: {a!r} != {b!r}"
+            for name, a, b in (
+                ("cache_name", first.cache_name, m.cache_name),
+                (
+                    "keys",
+                    {k: s.to_json() for k, s in first.schema.items()},
+                    {k: s.to_json() for k, s in m.schema.items()},
+                ),
+            )
+            if a != b
+        ]
+        differences += [
+            f"side file {name}: checksum {record.checksum} != {getattr(m.side_files.get(name), 'checksum', None)}"
+            for name, record in sorted(first.side_files.items())
+            if name not in m.side_files or m.side_files[name].checksum != record.checksum
+        ]  # e.g. a draft vocabulary chosen from other data: the sources' features would not mean the same
+        differences += [
+            f"config.{k}: {first.config.get(k)!r} != {m.config.get(k)!r}"
+            for k in sorted((set(first.config) | set(m.config)) - DATA_FIELDS)
+            if first.config.get(k) != m.config.get(k)
+        ]
+        if differences:
+            raise CacheFormatError(
+                f"cannot merge {caches[0]} and {cache}: they differ in " + "; ".join(differences) + ". Merge only "
+                "caches of the same target and settings (they may differ in their data)"
+            )
+    sources = [
+        source_record(out, cache, m, range(m.num_shards), 1.0 if weights is None else float(weights[i]))
+        for i, (cache, m) in enumerate(zip(caches, manifests))
+    ]
+    runs = [(i, 0, m.num_samples) for i, m in enumerate(manifests) if m.num_samples]
+    view = View(first.cache_name, first.schema, sources, runs, {"merge": [str(c) for c in caches]}, out)
+    view.write(out)
+    return view
+
+
+def make_subset_view(cache: str, out: str, where: str) -> View:
+    """Write a view at ``out`` of the samples of ``cache`` that satisfy ``where`` (see the module docstring).
+
+    Raises:
+        ValueError: a malformed ``where``, or one naming a statistic the cache does not record.
+        CacheIncompleteError: the cache is not sealed.
+    """
+    clauses = parse_where(where)
+    manifest = _sealed(cache)
+    stats = cache_sample_stats(cache)
+    unknown = sorted({name for name, _, _ in clauses} - set(stats))
+    if unknown:
+        raise ValueError(
+            f"--where names {unknown}, which {cache} does not record per sample; it records {sorted(stats)}"
+        )
+    chosen = [
+        i
+        for i in range(manifest.num_samples)
+        if all(stats[name][i] is not None and _OPS[op](stats[name][i], value) for name, op, value in clauses)
+    ]
+    shards = sorted({i // manifest.shard_size for i in chosen})
+    view = View(
+        manifest.cache_name,
+        manifest.schema,
+        [source_record(out, cache, manifest, shards, 1.0)],
+        _runs(0, chosen),
+        {"subset": str(cache), "where": where},
+        out,
+    )
+    view.write(out)
+    return view
+
+
+class ViewDataset(Dataset):
+    """A view as a dataset: sample ``i`` is the ``i``-th selected sample of its source.
+
+    Args:
+        view_dir: the view directory.
+        keys: stored keys to return (default: all).
+        dataset_cls: the reader of each source (e.g. :class:`speccache.methods.eagle3.Eagle3CacheDataset`).
+        **kwargs: passed to each source's reader (``verify``, ``max_open_shards``...).
+
+    Raises:
+        CacheFormatError, CacheCorruptError: the view is malformed, or a source changed or vanished.
+    """
+
+    def __init__(
+        self,
+        view_dir: str,
+        keys: Sequence[str] | str | None = None,
+        dataset_cls: type[CacheDataset] = CacheDataset,
+        **kwargs: Any,
+    ) -> None:
+        self.view = View.read(view_dir)
+        self.sources = [dataset_cls(self.view.source_dir(i), keys, **kwargs) for i in range(len(self.view.sources))]
+        self._ends: list[int] = []
+        total = 0
+        for _, start, end in self.view.runs:
+            total += end - start
+            self._ends.append(total)
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """``(source, sample index in that source)`` of view sample ``index``."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} out of range for a view of {len(self)}")
+        run = bisect.bisect_right(self._ends, index)
+        source, start, end = self.view.runs[run]
+        return source, end - (self._ends[run] - index)
+
+    def __getitem__(self, index: int) -> Sample:
+        source, local = self.locate(index)
+        return self.sources[source][local]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
+        return [self[i] for i in indices]
+
+    def sample_weights(self) -> list[float]:
+        """Each view sample's mixture weight (its source's ``--weights`` entry)."""
+        weights = [s.weight for s in self.view.sources]
+        return [weights[source] for source, start, end in self.view.runs for _ in range(end - start)]
+
+
+def verify_view(view_dir: str) -> list[str]:
+    """Check a view: its sources as recorded, then every referenced shard's checksum; returns the problems found."""
+    try:
+        view = View.read(view_dir)
+    except CacheFormatError as exc:
+        return [str(exc)]
+    problems = []
+    for number, source in enumerate(view.sources):
+        for index, (_, checksum) in sorted(source.shards.items()):
+            path = shard_path(view.source_dir(number), index)
+            if file_checksum(path) != checksum:
+                problems.append(
+                    f"{path}: its checksum differs from the one view {view_dir} records; re-create the view"
+                )
+    return problems

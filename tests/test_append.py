@@ -1,0 +1,102 @@
+"""``precompute --append``: append then read yields the samples of a cache written from the concatenated data, in
+order; a failed append is finished by the same command; other settings are refused, naming them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cachecmp import all_samples
+from speccache.cli import main
+from speccache.demo import build_tiny_model_dir, demo_data_path
+from speccache.errors import ConfigMismatchError
+from speccache.format import load_manifest_json, manifest_path
+from speccache.methods import finite
+from speccache.precompute.run import PrecomputeConfig, run_precompute
+
+COMMON = ["--max-length", "96", "--model-dtype", "fp32", "--dtype", "fp32", "--batch-size", "2", "--shard-size", "4",
+          "--quiet", "--nonfinite", "skip"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    base = tmp_path_factory.mktemp("append")
+    model = build_tiny_model_dir(str(base / "model"), "llama", seed=0)
+    with open(demo_data_path("sharegpt")) as f:
+        lines = [line for line in f if line.strip()][:11]
+    files = {"a": lines[:5], "b": lines[5:], "ab": lines}
+    paths = {}
+    for name, rows in files.items():
+        paths[name] = str(base / f"{name}.jsonl")
+        with open(paths[name], "w") as f:
+            f.writelines(rows)
+    whole = str(base / "whole")
+    assert main(["precompute", "--model", model, "--data", paths["ab"], "--out", whole, *COMMON]) == 0
+    yield model, paths, whole, base
+    mp.undo()
+
+
+def _run(model: str, data: str, out: str, *extra: str) -> int:
+    return main(["precompute", "--model", model, "--data", data, "--out", out, *COMMON, *extra])
+
+
+def _same_as_whole(out: str, whole: str) -> None:
+    got, want = all_samples(out), all_samples(whole)
+    assert len(got) == len(want) == 11
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.keys() == b.keys()
+        for key in a:
+            if key == "source_row":  # the row in its own file: appended rows count from their file's start
+                assert int(a[key]) == int(b[key]) - (5 if i >= 5 else 0)
+            else:
+                assert torch.equal(a[key], b[key]), (i, key)
+
+
+def test_append_equals_a_cache_of_the_concatenated_data(setup):
+    model, paths, whole, base = setup
+    out = str(base / "grown")
+    assert _run(model, paths["a"], out) == 0
+    assert _run(model, paths["b"], out, "--append") == 0
+    _same_as_whole(out, whole)
+    body = load_manifest_json(manifest_path(out))
+    assert body["complete"] and body["num_samples"] == 11
+    assert body["config"]["appended"][0]["first_sample"] == 5
+    assert body["stats"]["samples"] == 11
+    assert body["stats"]["tokens"] == load_manifest_json(manifest_path(whole))["stats"]["tokens"]
+    assert _run(model, paths["b"], out, "--append") == 1  # the same data twice: refused, nothing changed
+
+
+def test_a_failed_append_is_finished_by_the_same_command(setup, monkeypatch):
+    model, paths, whole, base = setup
+    out = str(base / "crashed")
+    assert _run(model, paths["a"], out) == 0
+    real = finite.ClearedCounter.write_shard
+    calls = []
+
+    def dies_after_one(self, output_dir, index, rows):
+        if calls:
+            raise KeyboardInterrupt  # the process stops after the old partial shard was rewritten
+        calls.append(index)
+        return real(self, output_dir, index, rows)
+
+    monkeypatch.setattr(finite.ClearedCounter, "write_shard", dies_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        _run(model, paths["b"], out, "--append")
+    monkeypatch.setattr(finite.ClearedCounter, "write_shard", real)
+    assert calls == [1] and not load_manifest_json(manifest_path(out))["complete"]
+    assert _run(model, paths["b"], out, "--append") == 0
+    _same_as_whole(out, whole)
+
+
+def test_append_with_other_settings_is_refused(setup):
+    model, paths, _, base = setup
+    out = str(base / "other")
+    assert _run(model, paths["a"], out) == 0
+    before = load_manifest_json(manifest_path(out))
+    with pytest.raises(ConfigMismatchError, match="config.dtype: cache has 'fp32', this run has 'bf16'"):
+        cfg = PrecomputeConfig(model=model, data=paths["b"], out=out, batch_size=2, shard_size=4, max_length=96,
+                               dtype="bf16", model_dtype="fp32", append=True, nonfinite="skip")  # fmt: skip
+        run_precompute(cfg, progress=False)
+    assert load_manifest_json(manifest_path(out)) == before

@@ -1,0 +1,192 @@
+"""Chat data through ``speccache precompute``: input formats, a pinned template date across a resume,
+tokenizers without a chat template API, FastChat rows, the truncation warning, small targets' aux layers."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+
+import huggingface_hub.constants
+import pytest
+import torch
+import zstandard
+
+import speccache.data.template as template_module
+import speccache.write
+from speccache.cli import main
+from speccache.data import load_chat_tokenizer, load_samples, tokenize_row
+from speccache.demo import build_demo_tokenizer, build_tiny_model_dir, demo_data_path
+from speccache.errors import DataError
+from speccache.format import load_manifest_json, manifest_path
+from speccache.methods.eagle3 import SIDE_FILE, check_aux_layers, default_aux_layers
+
+FLAGS = ["--limit", "6", "--max-length", "48", "--batch-size", "2", "--shard-size", "2", "--quiet"]
+DATED_TEMPLATE = (
+    "{{- bos_token + '<|system|>Today is ' + strftime_now('%d %B %Y') + '.<|end|>' -}}"
+    "{%- for m in messages -%}{{- '<|' + m.role + '|>' + m.content + '<|end|>' -}}{%- endfor -%}"
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _env():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model_dir(str(tmp_path_factory.mktemp("models") / "llama"), "llama", seed=0)
+
+
+def _rows(n: int = 8) -> list[dict]:
+    with open(demo_data_path("sharegpt")) as f:
+        return [json.loads(line) for line in f][:n]
+
+
+def _shards(out) -> dict[str, bytes]:
+    return {n: (out / n).read_bytes() for n in sorted(os.listdir(out)) if n.startswith("shard-") or n == SIDE_FILE}
+
+
+def _precompute(model_dir, data, out, *extra) -> None:
+    assert main(["precompute", "--model", model_dir, "--data", str(data), "--out", str(out), *FLAGS, *extra]) == 0
+
+
+def test_parquet_compressed_jsonl_and_saved_dataset_give_the_jsonl_cache(model_dir, tmp_path):
+    import datasets
+
+    rows = _rows()
+    text = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    (tmp_path / "d.jsonl").write_bytes(text)
+    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(text))
+    (tmp_path / "d.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(text))
+    ds = datasets.Dataset.from_list(rows)
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    _precompute(model_dir, tmp_path / "d.jsonl", tmp_path / "ref")
+    reference = _shards(tmp_path / "ref")
+    assert len(reference) == 4
+    for name in ("d.jsonl.gz", "d.jsonl.zst", "d.parquet", "saved"):
+        out = tmp_path / f"out-{name}"
+        _precompute(model_dir, tmp_path / name, out)
+        assert _shards(out) == reference, name
+    config = load_manifest_json(manifest_path(str(tmp_path / "out-saved")))["config"]
+    assert len(config["data_hash"]) == 32
+
+
+def test_resume_on_a_later_day_renders_the_pinned_date(model_dir, tmp_path, monkeypatch):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    template = tmp_path / "dated.jinja"
+    template.write_text(DATED_TEMPLATE)
+    flags = ("--chat-template", str(template), "--system-prompt", "Be brief.")
+    monkeypatch.setattr(template_module, "today", lambda: "2026-12-01")
+    _precompute(model_dir, data, tmp_path / "day1", *flags)
+    config = load_manifest_json(manifest_path(str(tmp_path / "day1")))["config"]
+    assert config["chat_date"] == "2026-12-01" and config["system_prompt"] == "Be brief."
+    assert config["reasoning"] == "keep" and len(config["chat_template_hash"]) == 32
+
+    # the same run interrupted after one shard on day 1 ...
+    out = tmp_path / "interrupted"
+    real_call = speccache.write.NativeShardWriter.__call__
+    written = []
+
+    def failing_call(self, output_dir, shard_index, samples):
+        if written:
+            raise OSError("simulated crash after one shard")
+        written.append(shard_index)
+        return real_call(self, output_dir, shard_index, samples)
+
+    monkeypatch.setattr(speccache.write.NativeShardWriter, "__call__", failing_call)
+    assert main(["precompute", "--model", model_dir, "--data", str(data), "--out", str(out), *FLAGS, *flags]) == 1
+    monkeypatch.setattr(speccache.write.NativeShardWriter, "__call__", real_call)
+    # ... and resumed on day 2: the pinned date is the manifest's, so the bytes are day 1's.
+    monkeypatch.setattr(template_module, "today", lambda: "2026-12-02")
+    _precompute(model_dir, data, out, *flags, "--resume")
+    assert _shards(out) == _shards(tmp_path / "day1")
+    # a fresh run on day 2 renders day 2: the date does reach the tokens
+    _precompute(model_dir, data, tmp_path / "day2", *flags)
+    assert _shards(tmp_path / "day2") != _shards(tmp_path / "day1")
+
+
+class _NoTemplateBackend:
+    """Stands in for transformers' MistralCommonBackend: no get_chat_template, no offsets."""
+
+    is_fast = False
+
+    def get_chat_template(self, *args, **kwargs):
+        raise NotImplementedError("MistralCommonBackend does not implement get_chat_template")
+
+
+def test_tokenizer_without_a_chat_template_api_falls_back_to_tokenizer_json(model_dir, tmp_path, monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: _NoTemplateBackend())
+    tokenizer = load_chat_tokenizer(model_dir)
+    assert tokenizer.is_fast and tokenizer.get_chat_template() == build_demo_tokenizer().chat_template
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dir, bare)
+    os.unlink(bare / "tokenizer.json")
+    with pytest.raises(DataError, match="the tokenizer loads as _NoTemplateBackend.*tokenizer.json"):
+        load_chat_tokenizer(str(bare))
+
+
+def test_fastchat_system_field_is_the_first_message():
+    tok = build_demo_tokenizer()
+    turns = [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]
+    with_field = tokenize_row({"system": "Be kind.", "conversations": turns}, tok, 256, where="x")
+    with_message = tokenize_row(
+        {"conversations": [{"from": "system", "value": "Be kind."}, *turns]}, tok, 256, where="x"
+    )
+    assert with_field == with_message != tokenize_row({"conversations": turns}, tok, 256, where="x")
+
+
+def test_no_sequence_length_warning_for_rows_truncated_on_purpose(tmp_path, capfd):
+    tok = build_demo_tokenizer()
+    tok.model_max_length = 16
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _rows(3)))
+    samples, _ = load_samples(str(path), tok, 256)
+    assert len(samples) == 3 and all(len(s.input_ids) > 16 for s in samples)
+    assert "longer than the specified maximum" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("num_layers", range(3, 12))
+def test_default_aux_layers_are_three_distinct_layers_for_small_targets(num_layers):
+    layers = default_aux_layers(num_layers)
+    assert check_aux_layers(layers, num_layers) == layers and layers == sorted(layers)
+    if num_layers >= 7:
+        assert layers == [1, num_layers // 2 - 1, num_layers - 4]
+
+
+@pytest.mark.timeout(420)
+def test_torchrun_ranks_split_the_tokenization_and_write_the_one_process_cache(model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    lines = [json.dumps(r) for r in _rows(11)]
+    lines.insert(4, "{not json")
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    args = ["--model", model_dir, "--data", str(data), "--max-length", "48", "--batch-size", "2", "--shard-size", "2"]
+    args += ["--dtype", "fp32", "--device", "cpu", "--quiet", "--skip-bad-rows"]
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    subprocess.run([sys.executable, "-m", "speccache", "precompute", *args, "--out", str(single)], check=True, env=env)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    subprocess.run(
+        [*launcher, "-m", "speccache", "precompute", *args, "--out", str(multi), "--timeout", "120"],
+        check=True,
+        env=env,
+        timeout=300,
+    )
+    files = {p.name: p.read_bytes() for p in sorted(single.iterdir()) if not p.name.startswith(".")}
+    assert "skipped_rows.jsonl" in files
+    assert {p.name: p.read_bytes() for p in sorted(multi.iterdir()) if not p.name.startswith(".")} == files

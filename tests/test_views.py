@@ -1,0 +1,174 @@
+"""Views: merge and subset read exactly the selected samples (tensor for tensor against a directly written cache of
+those samples), refuse mismatched schemas and configurations, fail at open when a source shard changed or vanished,
+and a killed view writer leaves no view (and a rerun writes the same one)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+
+import pytest
+import torch
+
+from cachecmp import all_samples, same_samples
+from speccache.cli import main
+from speccache.errors import CacheCorruptError, CacheFormatError
+from speccache.format import LENGTHS_KEY, STAT_PREFIX, KeySpec, shard_path
+from speccache.format.view import VIEW_NAME, is_view
+from speccache.read import CacheDataset
+from speccache.read.sampler import LocalityShuffleSampler
+from speccache.read.view import ViewDataset, make_merge_view, make_subset_view, parse_where
+from speccache.testing.synthetic import write_synthetic_cache
+from speccache.write import CacheWriter
+
+SYN = dict(shard_size=4, hidden=8, max_len=10)
+SCHEMA = {
+    "input_ids": KeySpec("input_ids", torch.int32, (), ragged=True),
+    "loss_mask": KeySpec("loss_mask", torch.bool, (), ragged=True),
+    "hidden": KeySpec("hidden", torch.float32, (4,), ragged=True),
+}
+
+
+def write_samples(out: str, samples: list[dict[str, torch.Tensor]], config: dict, shard_size: int = 4) -> None:
+    """A cache of exactly ``samples`` (with ``supervised_tokens`` statistics), written shard by shard."""
+    writer = CacheWriter(
+        out, cache_name="viewtest", schema=SCHEMA, shard_size=shard_size, num_samples=len(samples), config=config
+    )
+    with writer.writing(overlap=False) as run:
+        for index in run.shards:
+            chunk = samples[index * shard_size : (index + 1) * shard_size]
+            rows = {k: torch.cat([s[k] for s in chunk]) for k in SCHEMA}
+            rows[LENGTHS_KEY] = torch.tensor([len(s["input_ids"]) for s in chunk])
+            rows[STAT_PREFIX + "supervised_tokens"] = torch.tensor([int(s["loss_mask"].sum()) for s in chunk])
+            run.write_shard(out, index, rows)
+
+
+def make_samples(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(1, 9, (1,), generator=g))
+        out.append(
+            {
+                "input_ids": torch.randint(0, 100, (length,), generator=g, dtype=torch.int32),
+                "loss_mask": torch.rand(length, generator=g) < 0.5,
+                "hidden": torch.randn(length, 4, generator=g),
+            }
+        )
+    return out
+
+
+@pytest.fixture
+def two(tmp_path):
+    a, b = make_samples(10, 0), make_samples(7, 1)
+    write_samples(str(tmp_path / "a"), a, {"model": "m", "data": "a.jsonl"})
+    write_samples(str(tmp_path / "b"), b, {"model": "m", "data": "b.jsonl"})
+    return tmp_path, a, b
+
+
+def test_merge_reads_the_concatenation_tensor_for_tensor(two):
+    tmp, a, b = two
+    write_samples(str(tmp / "direct"), a + b, {"model": "m", "data": "ab.jsonl"})
+    assert main(["merge", str(tmp / "a"), str(tmp / "b"), "--out", str(tmp / "v"), "--weights", "2,1"]) == 0
+    assert is_view(str(tmp / "v"))
+    view = ViewDataset(str(tmp / "v"))
+    assert len(view) == 17
+    assert same_samples([dict(view[i]) for i in range(len(view))], all_samples(str(tmp / "direct")))
+    assert view.sample_weights() == [2.0] * 10 + [1.0] * 7
+    body = json.loads((tmp / "v" / VIEW_NAME).read_text())
+    assert [s["path"] for s in body["sources"]] == ["../a", "../b"]  # relative: the tree can move as a whole
+
+
+def test_subset_reads_exactly_the_selected_samples(two, capsys):
+    tmp, a, _ = two
+    chosen = [s for s in a if 2 <= int(s["loss_mask"].sum()) < 4]
+    assert 0 < len(chosen) < len(a)
+    write_samples(str(tmp / "direct"), chosen, {"model": "m", "data": "a.jsonl"})
+    where = "supervised_tokens >= 2 and supervised_tokens < 4"
+    assert main(["subset", str(tmp / "a"), "--out", str(tmp / "s"), "--where", where]) == 0
+    view = ViewDataset(str(tmp / "s"))
+    assert same_samples([dict(view[i]) for i in range(len(view))], all_samples(str(tmp / "direct")))
+    assert main(["verify", str(tmp / "s")]) == 0
+    assert main(["inspect", str(tmp / "s")]) == 0
+    assert f"{len(chosen)} samples from 1 caches" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="does not record per sample"):
+        make_subset_view(str(tmp / "a"), str(tmp / "s2"), "mean_entropy < 1")
+
+
+def test_where_grammar():
+    assert parse_where("a >= 1 and b<2.5e1") == [("a", ">=", 1.0), ("b", "<", 25.0)]
+    for bad in ("a >= x", "a => 1", "a >= 1 or b < 2", ""):
+        with pytest.raises(ValueError, match="must look like NAME OP NUMBER"):
+            parse_where(bad)
+
+
+def test_merge_refuses_other_schema_or_settings(two, tmp_path):
+    tmp, a, _ = two
+    write_samples(str(tmp / "other"), a, {"model": "other-model", "data": "a.jsonl"})
+    with pytest.raises(CacheFormatError, match=r"config.model: 'm' != 'other-model'"):
+        make_merge_view([str(tmp / "a"), str(tmp / "other")], str(tmp / "v"))
+    write_synthetic_cache(str(tmp / "syn"), num_samples=8, **SYN)
+    with pytest.raises(CacheFormatError, match=r"cache_name: 'viewtest' != 'synthetic'; keys:"):
+        make_merge_view([str(tmp / "a"), str(tmp / "syn")], str(tmp / "v"))
+    assert not os.path.exists(tmp / "v" / VIEW_NAME)
+
+
+def test_changed_or_vanished_source_fails_at_open(two):
+    tmp, a, _ = two
+    make_merge_view([str(tmp / "a"), str(tmp / "b")], str(tmp / "v"))
+    os.rename(shard_path(str(tmp / "b"), 1), str(tmp / "kept"))
+    with pytest.raises(CacheCorruptError, match=r"shard-000001.safetensors: a shard of view .* vanished"):
+        ViewDataset(str(tmp / "v"))
+    os.rename(str(tmp / "kept"), shard_path(str(tmp / "b"), 1))
+    assert len(ViewDataset(str(tmp / "v"))) == 17
+    # the source regenerated in place (other data, same shape): its manifest changed
+    write_samples(str(tmp / "b2"), make_samples(7, 5), {"model": "m", "data": "b.jsonl"})
+    for name in sorted(os.listdir(tmp / "b2")):
+        os.replace(tmp / "b2" / name, tmp / "b" / name)
+    with pytest.raises(CacheCorruptError, match=r"manifest.json: a source of view .* changed since the view was made"):
+        ViewDataset(str(tmp / "v"))
+    assert main(["verify", str(tmp / "v")]) == 1
+
+
+def test_a_killed_view_writer_leaves_no_view(two, monkeypatch):
+    tmp, _, _ = two
+    out = str(tmp / "v")
+    real_replace = os.replace
+
+    class Killed(BaseException):
+        pass
+
+    def die(src, dst):
+        if dst.endswith(VIEW_NAME):
+            raise Killed  # the process dies before the rename: the temp file is all there is
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", die)
+    with pytest.raises(Killed):
+        main(["merge", str(tmp / "a"), str(tmp / "b"), "--out", out])
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert not is_view(out)
+    with pytest.raises(CacheFormatError, match="not a readable view"):
+        ViewDataset(out)
+    assert main(["merge", str(tmp / "a"), str(tmp / "b"), "--out", out]) == 0
+    assert len(ViewDataset(out)) == 17
+    assert main(["merge", str(tmp / "a"), "--out", out]) == 1  # a written view is never overwritten
+    assert len(CacheDataset(str(tmp / "a"))) == 10
+
+
+def test_locality_sampler_honours_weights():
+    weights = [2.0] * 10 + [1.0] * 7
+    sampler = LocalityShuffleSampler(17, 4, seed=3, weights=weights)
+    first = sampler.epoch_order(0).tolist()
+    assert Counter(first) == Counter({**{i: 2 for i in range(10)}, **{i: 1 for i in range(10, 17)}})
+    assert sampler.epoch_order(1).tolist() != first and len(sampler) == 27
+    half = LocalityShuffleSampler(1000, 8, seed=0, weights=[0.5] * 1000)
+    picked = set(half.epoch_order(0).tolist())
+    assert 400 < len(picked) < 600 and picked == set(half.epoch_order(1).tolist())  # a fixed seeded half
+    two = [LocalityShuffleSampler(17, 4, seed=3, weights=weights, rank=r, world_size=2) for r in range(2)]
+    assert Counter(two[0].rank_order(0).tolist() + two[1].rank_order(0).tolist()) - Counter(first) == Counter(
+        {first[0]: 1}
+    )
+    with pytest.raises(ValueError, match="one finite weight >= 0 per sample"):
+        LocalityShuffleSampler(3, 4, weights=[1.0, -1.0, 1.0])
