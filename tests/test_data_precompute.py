@@ -16,7 +16,7 @@ import zstandard
 import speccache.data.template as template_module
 import speccache.write
 from speccache.cli import main
-from speccache.data import load_chat_tokenizer, load_samples, tokenize_row
+from speccache.data import file_content_hash, is_hub_id, iter_rows, load_chat_tokenizer, load_samples, tokenize_row
 from speccache.demo import build_demo_tokenizer, build_tiny_model_dir, demo_data_path
 from speccache.errors import DataError
 from speccache.format import load_manifest_json, manifest_path
@@ -190,3 +190,58 @@ def test_torchrun_ranks_split_the_tokenization_and_write_the_one_process_cache(m
     files = {p.name: p.read_bytes() for p in sorted(single.iterdir()) if not p.name.startswith(".")}
     assert "skipped_rows.jsonl" in files
     assert {p.name: p.read_bytes() for p in sorted(multi.iterdir()) if not p.name.startswith(".")} == files
+
+
+# ---------------------------------------------------------------------------
+# --data-split: a saved DatasetDict's split, or a hub dataset
+
+
+def _split_rows() -> dict[str, list[dict]]:
+    rows = [json.loads(line) for line in open(demo_data_path("sharegpt"))]
+    return {"train": rows[:5], "test": rows[5:9]}
+
+
+def test_a_saved_dataset_dict_needs_a_split_and_reads_the_one_named(tmp_path):
+    import datasets
+
+    splits = _split_rows()
+    saved = str(tmp_path / "dd")
+    datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits.items()}).save_to_disk(saved)
+    with pytest.raises(DataError, match="holds several splits .*--data-split"):
+        list(iter_rows(saved))
+    with pytest.raises(DataError, match="no split 'dev'"):
+        list(iter_rows(saved, split="dev"))
+    got = [row for _, row in iter_rows(saved, split="test")]
+    assert [r["conversations"] for r in got] == [r["conversations"] for r in splits["test"]]
+
+
+def test_a_hub_id_is_read_through_load_dataset_with_its_split(monkeypatch):
+    import datasets
+
+    splits = _split_rows()
+    asked: list[tuple[str, str]] = []
+
+    def fake_load_dataset(name, split):  # the hub itself is out of reach here: the routing is what is tested
+        asked.append((name, split))
+        return datasets.Dataset.from_list(splits[split])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert is_hub_id("org/chat-data") and not is_hub_id("missing.jsonl") and not is_hub_id("./org/chat")
+    got = [row for _, row in iter_rows("org/chat-data", split="test")]
+    assert [r["conversations"] for r in got] == [r["conversations"] for r in splits["test"]]
+    assert len(list(iter_rows("org/chat-data"))) == 5 and asked == [
+        ("org/chat-data", "test"),
+        ("org/chat-data", "train"),
+    ]
+    assert file_content_hash("org/chat-data", "test") != file_content_hash("org/chat-data", "train")
+
+
+def test_an_unreachable_hub_dataset_is_a_data_error(monkeypatch):
+    import datasets
+
+    def offline(name, split):
+        raise ConnectionError("Couldn't reach the hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataError, match="cannot load it as a Hugging Face hub dataset.*Couldn't reach"):
+        list(iter_rows("org/chat-data"))

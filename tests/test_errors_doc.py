@@ -287,6 +287,18 @@ def _side_file(env: Env, content: bytes | None, mkdir: bool = False) -> VerifyRe
     return verify_cache(path)
 
 
+def _rewritten_under_a_reader(e: Env) -> Any:
+    ds = CacheDataset(p := e.cache(), max_open_shards=1)
+    e.edit_manifest(p, lambda m: m["config"].update(seed=99))  # another run's manifest, written in place
+    return ds[8]
+
+
+def _manifest_a_directory(e: Env) -> Any:
+    os.unlink(os.path.join(p := e.cache(), MANIFEST_NAME))
+    os.mkdir(os.path.join(p, MANIFEST_NAME))
+    return CacheDataset(p)
+
+
 T = Callable[[Env], Any]
 TRIGGERS: dict[str, T] = {
     # --shard-target / --tp-size
@@ -328,6 +340,12 @@ TRIGGERS: dict[str, T] = {
     "is not a layer preset": lambda e: preset_selection("medusa", 8, None, False, False),
     # reading
     "cache manifest not found at": lambda e: CacheDataset(str(e.tmp)),
+    "cannot be read (": _manifest_a_directory,
+    "'cache_name' must be a string": lambda e: CacheDataset(e.edit_manifest(e.cache(), lambda m: m.update(cache_name=3))),
+    "the manifest's shard table records": lambda e: CacheDataset(
+        e.edit_manifest(e.cache(), lambda m: m["shards"][2].update(bytes=m["shards"][2]["bytes"] + 8))
+    )[8],
+    "changed since this reader opened the cache": _rewritten_under_a_reader,
     "is not complete: it is still being written or its writer was interrupted":
         lambda e: CacheDataset(e.edit_manifest(e.cache(), lambda m: m.update(complete=False))),
     "is not valid JSON": lambda e: (Path(p := e.cache(), MANIFEST_NAME).write_text("{"), CacheDataset(p)),

@@ -243,8 +243,17 @@ class DataStats:
         return "".join(lines).encode("utf-8")
 
 
+def is_hub_id(path: str) -> bool:
+    """Whether ``--data`` names a Hugging Face hub dataset (``name`` or ``org/name``) rather than a local path."""
+    if os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") > 1:
+        return False
+    return not path.lower().endswith((".json", *_LINE_SUFFIXES, *_DATASET_SUFFIXES))
+
+
 def _data_kind(path: str) -> str:
-    """``lines``, ``json`` or ``dataset`` (read through ``datasets``)."""
+    """``lines``, ``json``, ``dataset`` (read through ``datasets``) or ``hub``."""
+    if is_hub_id(path):
+        return "hub"
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "dataset_info.json")) or os.path.exists(
             os.path.join(path, "dataset_dict.json")
@@ -283,18 +292,36 @@ def _open_lines(path: str) -> io.BufferedIOBase:
     return open(path, "rb")
 
 
-def _dataset_rows(path: str) -> Iterator[tuple[int, str, Any]]:
+def _load_dataset(path: str, split: str | None) -> Any:
+    """The ``datasets.Dataset`` of a saved dataset, a parquet file or a hub id (``split`` chooses among splits)."""
     import datasets
 
-    if os.path.isdir(path):
-        ds = datasets.load_from_disk(path)
-        if isinstance(ds, datasets.DatasetDict):
+    if _data_kind(path) == "hub":
+        try:
+            return datasets.load_dataset(path, split=split or "train")
+        except Exception as exc:
             raise DataError(
-                f"{path}: a saved DatasetDict holds several splits ({', '.join(ds)}); pass the directory of one "
-                f"split (e.g. {path}/train)"
+                f"--data {path}: cannot load it as a Hugging Face hub dataset (split {split or 'train'!r}): "
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. Check the id, the split "
+                "and the network, or pass a local file"
+            ) from exc
+    if not os.path.isdir(path):
+        return datasets.Dataset.from_parquet(path)
+    ds = datasets.load_from_disk(path)
+    if isinstance(ds, datasets.DatasetDict):
+        if split is None:
+            raise DataError(
+                f"{path}: a saved DatasetDict holds several splits ({', '.join(ds)}); choose one with "
+                f"--data-split (or pass the directory of one split, e.g. {path}/train)"
             )
-    else:
-        ds = datasets.Dataset.from_parquet(path)
+        if split not in ds:
+            raise DataError(f"{path}: no split {split!r}; --data-split must be one of {', '.join(ds)}")
+        ds = ds[split]
+    return ds
+
+
+def _dataset_rows(path: str, split: str | None) -> Iterator[tuple[int, str, Any]]:
+    ds = _load_dataset(path, split)
     for index in range(len(ds)):
         yield index, f"{path}[{index}]", _without_nulls(ds[index])
 
@@ -308,11 +335,11 @@ def _without_nulls(value: Any) -> Any:
     return value
 
 
-def _raw_rows(path: str) -> Iterator[tuple[int, str, Any]]:
+def _raw_rows(path: str, split: str | None = None) -> Iterator[tuple[int, str, Any]]:
     """Yield ``(0-based row number, where, parsed value)``; an unparsable line yields a ``RowFailure`` value."""
     kind = _data_kind(path)
-    if kind == "dataset":
-        yield from _dataset_rows(path)
+    if kind in ("dataset", "hub"):
+        yield from _dataset_rows(path, split)
         return
     if kind == "json":
         try:
@@ -362,11 +389,12 @@ def _not_an_object(where: str, value: Any) -> RowFailure:
     return _row_error(f"{where}: expected a JSON object per row, got {type(value).__name__}; fix or remove the row")
 
 
-def iter_rows(path: str) -> Iterator[tuple[int, dict]]:
+def iter_rows(path: str, split: str | None = None) -> Iterator[tuple[int, dict]]:
     """Iterate over the row objects of a data file.
 
     Args:
-        path: A data file or saved dataset (see the module docstring).
+        path: A data file, saved dataset or hub id (see the module docstring).
+        split: The split of a saved ``DatasetDict`` or hub dataset (default: a hub dataset's ``train``).
 
     Returns:
         An iterator of ``(0-based row number, row)``.
@@ -375,7 +403,7 @@ def iter_rows(path: str) -> Iterator[tuple[int, dict]]:
         DataError: The file is missing or not a file, has another extension, holds
             invalid JSON or UTF-8, or a row is not a JSON object.
     """
-    for row_no, where, value in _raw_rows(path):
+    for row_no, where, value in _raw_rows(path, split):
         if isinstance(value, DataError):
             raise value
         if not isinstance(value, dict):
@@ -507,6 +535,7 @@ def load_samples(
     fmt: ChatFormat | None = None,
     num_proc: int = 1,
     part: tuple[int, int] = (0, 1),
+    split: str | None = None,
 ) -> tuple[TokenizedSamples, DataStats]:
     """Read and tokenize a data file, in file order.
 
@@ -542,7 +571,7 @@ def load_samples(
     if limit == 0:
         return builder.build(), stats
     fmt = fmt or _default_format(tokenizer)
-    rows = (r for i, r in enumerate(_raw_rows(path)) if i % world == rank)
+    rows = (r for i, r in enumerate(_raw_rows(path, split)) if i % world == rank)
     with _Encoder(tokenizer, fmt, num_proc) as encoder:
         for row_no, encoded, error in encoder.encode(rows):
             stats.rows_read += 1
@@ -654,14 +683,17 @@ class _Encoder:
             yield from done
 
 
-def file_content_hash(path: str) -> str:
+def file_content_hash(path: str, split: str | None = None) -> str:
     """The xxh3-128 of a data file's bytes (recorded in the manifest, so a resume refuses changed data).
 
     For a saved dataset directory: the xxh3-128 of every file's relative path and checksum, in path order.
+    For a hub dataset: its ``datasets`` fingerprint (which follows the files it was built from).
 
     Raises:
         DataError: the file is missing.
     """
+    if _data_kind(path) == "hub":
+        return xxhash.xxh3_128_hexdigest(str(_load_dataset(path, split)._fingerprint).encode("utf-8"))
     try:
         if not os.path.isdir(path):
             return file_checksum(path)

@@ -29,6 +29,7 @@ from speccache.data import (
     TokenizedSamples,
     chat_format,
     file_content_hash,
+    is_hub_id,
     load_chat_tokenizer,
     load_samples,
     merge_parts,
@@ -82,6 +83,11 @@ def add_precompute_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="Hugging Face model directory (or hub id where the network allows)")
     p.add_argument(
         "--data", required=True, help=".jsonl/.json chat data (ShareGPT, OpenAI messages, or input_ids+loss_mask)"
+    )
+    p.add_argument(
+        "--data-split",
+        default=None,
+        help="the split of a saved DatasetDict or of a hub dataset given to --data as name or org/name (hub: train)",
     )
     p.add_argument("--method", default="eagle3", help=f"speculative method ({', '.join(METHODS)})")
     p.add_argument("--max-length", type=int, default=2048, help="truncate samples to this many tokens (default 2048)")
@@ -150,6 +156,7 @@ class PrecomputeConfig:
     system_prompt: str | None = None
     reasoning: str = "keep"
     num_proc: int | None = None
+    data_split: str | None = None
     resume: bool = False
     append: bool = False
     device: str | None = None
@@ -188,6 +195,7 @@ class PrecomputeConfig:
             system_prompt=getattr(args, "system_prompt", None),
             reasoning=getattr(args, "reasoning", "keep"),
             num_proc=getattr(args, "num_proc", None),
+            data_split=getattr(args, "data_split", None),
             resume=getattr(args, "resume", False),
             append=getattr(args, "append", False),
             device=getattr(args, "device", None),
@@ -239,7 +247,7 @@ class PrecomputeConfig:
             )
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
-        if not os.path.exists(self.data):
+        if not os.path.exists(self.data) and not is_hub_id(self.data):
             raise FileNotFoundError(f"--data {self.data}: no such file")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise FileNotFoundError(f"--chat-template {self.chat_template}: no such file")
@@ -377,8 +385,9 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
         "model": os.path.abspath(cfg.model) if os.path.exists(cfg.model) else cfg.model,
         "model_config_hash": _config_hash(model_config),
         "tokenizer_hash": tokenizer_hash(tokenizer),
-        "data": os.path.abspath(cfg.data),
-        "data_hash": file_content_hash(cfg.data),
+        "data": cfg.data if is_hub_id(cfg.data) else os.path.abspath(cfg.data),
+        "data_hash": file_content_hash(cfg.data, cfg.data_split),
+        **({"data_split": cfg.data_split} if cfg.data_split is not None else {}),
         "max_length": cfg.max_length,
         "batch_size": cfg.batch_size,
         **method_config,
@@ -401,7 +410,9 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
 
 def _load_data(cfg: PrecomputeConfig, tokenizer: Any, fmt: Any, comm: Comm) -> tuple[TokenizedSamples, DataStats]:
     """Tokenize the data; under torchrun (without --limit) each rank reads every world_size-th row, then all join."""
-    kwargs = dict(skip_bad_rows=cfg.skip_bad_rows, fmt=fmt, num_proc=cfg.num_proc or default_num_proc())
+    kwargs = dict(
+        skip_bad_rows=cfg.skip_bad_rows, fmt=fmt, num_proc=cfg.num_proc or default_num_proc(), split=cfg.data_split
+    )
     if comm.world_size == 1 or cfg.limit is not None:
         return load_samples(cfg.data, tokenizer, cfg.max_length, limit=cfg.limit, **kwargs)
     try:
