@@ -43,6 +43,7 @@ from speccache.data import SOURCE_ROW_KEY, source_row_spec
 from speccache.errors import CacheFormatError
 from speccache.format import LENGTHS_KEY, STAT_PREFIX, KeySpec, Schema, ShardFile
 from speccache.format.view import is_view
+from speccache.methods.decoder import decoder_layers, forward_capturing
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
 from speccache.read import CacheDataset, LocalityShuffleSampler, PadCollator, Sample, distributed_position
 from speccache.read.view import ViewDataset
@@ -221,21 +222,6 @@ def vocab_mapping(selected: torch.Tensor, vocab_size: int) -> dict[str, torch.Te
 # the target side
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layer list of a Hugging Face causal LM.
-
-    Raises:
-        ValueError: the architecture does not expose one.
-    """
-    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(
-            f"{type(model).__name__}: cannot find its decoder layers (expected model.get_decoder().layers)"
-        )
-    return layers
-
-
 class Eagle3Target:
     """A frozen target that turns padded token batches into EAGLE-3 features.
 
@@ -275,21 +261,7 @@ class Eagle3Target:
     @torch.no_grad()
     def forward_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """Padded features ``[B, T, ...]`` of one batch, in the model's dtype: aux, last hidden, logits-derived."""
-        captured: dict[int, torch.Tensor] = {}
-
-        def hook(index: int):
-            def capture(_module: nn.Module, _args: Any, output: Any) -> None:
-                captured[index] = output[0] if isinstance(output, tuple) else output
-
-            return capture
-
-        handles = [self.layers[i].register_forward_hook(hook(i)) for i in self.aux_layers]
-        try:
-            out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        finally:
-            for h in handles:
-                h.remove()
-        last = out.last_hidden_state
+        last, captured = forward_capturing(self.model, input_ids, attention_mask, {i: i for i in self.aux_layers})
         feats = {
             "aux_hidden_states": torch.cat([captured[i] for i in self.aux_layers], dim=-1),
             "last_hidden_state": last,

@@ -46,7 +46,8 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from speccache.data import SOURCE_ROW_KEY, source_row_spec
 from speccache.errors import CacheFormatError
 from speccache.format import LENGTHS_KEY, KeySpec, Manifest, Schema
-from speccache.methods.eagle3 import decoder_layers, default_aux_layers
+from speccache.methods.decoder import decoder_layers, forward_capturing
+from speccache.methods.eagle3 import default_aux_layers
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
 from speccache.read import CacheDataset, LocalityShuffleSampler, PadCollator, Sample, distributed_position
 
@@ -251,32 +252,10 @@ class LayersTarget:
     @torch.no_grad()
     def forward_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """Padded features ``[B, T, H]`` of one batch, in the model's dtype, keyed as stored."""
-        captured: dict[str, torch.Tensor] = {}
-
-        def after(key: str):
-            def capture(_module: nn.Module, _args: Any, output: Any) -> None:
-                captured[key] = output[0] if isinstance(output, tuple) else output
-
-            return capture
-
-        def before(key: str):
-            def capture(_module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-                captured[key] = args[0] if args else kwargs["hidden_states"]
-
-            return capture
-
-        handles = []
-        for f in self.features:
-            if f.norm == "embed":
-                handles.append(self.layers[0].register_forward_pre_hook(before(f.key), with_kwargs=True))
-            elif f.norm == "pre":
-                handles.append(self.layers[f.layer].register_forward_hook(after(f.key)))
-        try:
-            out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        finally:
-            for h in handles:
-                h.remove()
-        captured[LAST_HIDDEN] = out.last_hidden_state
+        embed = next((f.key for f in self.features if f.norm == "embed"), None)
+        outputs = {f.key: f.layer for f in self.features if f.norm == "pre"}
+        last, captured = forward_capturing(self.model, input_ids, attention_mask, outputs, embed)
+        captured[LAST_HIDDEN] = last
         return {f.key: captured[f.key] for f in self.features}
 
     def layer_of(self, key: str, column: int) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from speccache.methods.eagle3 import decoder_layers
+from speccache.methods.decoder import decoder_layers
 from speccache.write.dist import fully_shard_units, local_rows
 
 __all__ = ["SHARD_MODES", "LoadedTarget", "load_target", "target_device", "check_shard_target"]

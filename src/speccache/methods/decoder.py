@@ -1,0 +1,72 @@
+"""What every method needs of a Hugging Face target: its decoder layers, and one forward that captures them."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["decoder_layers", "forward_capturing"]
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layer list of a Hugging Face causal LM.
+
+    Raises:
+        ValueError: the architecture does not expose one.
+    """
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"{type(model).__name__}: cannot find its decoder layers (expected model.get_decoder().layers)"
+        )
+    return layers
+
+
+@torch.no_grad()
+def forward_capturing(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    outputs: Mapping[Hashable, int],
+    input_of_first: Hashable | None = None,
+) -> tuple[torch.Tensor, dict[Hashable, torch.Tensor]]:
+    """Run the target's decoder once, capturing decoder layers' outputs (and the first layer's input).
+
+    Args:
+        model: the causal LM.
+        input_ids: ``[B, T]`` token ids.
+        attention_mask: ``[B, T]``.
+        outputs: capture key -> decoder layer index whose output (before the final norm) it receives.
+        input_of_first: capture key for the first decoder layer's input (the embedding output), if wanted.
+
+    Returns:
+        ``(last_hidden_state, captured)``: the decoder's output after its final norm, and the captured tensors.
+    """
+    layers = decoder_layers(model)
+    captured: dict[Hashable, torch.Tensor] = {}
+
+    def after(key: Hashable) -> Any:
+        def capture(_module: nn.Module, _args: Any, output: Any) -> None:
+            captured[key] = output[0] if isinstance(output, tuple) else output
+
+        return capture
+
+    def before(key: Hashable) -> Any:
+        def capture(_module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+            captured[key] = args[0] if args else kwargs["hidden_states"]
+
+        return capture
+
+    handles = [layers[index].register_forward_hook(after(key)) for key, index in outputs.items()]
+    if input_of_first is not None:
+        handles.append(layers[0].register_forward_pre_hook(before(input_of_first), with_kwargs=True))
+    try:
+        out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return out.last_hidden_state, captured
