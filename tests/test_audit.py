@@ -23,16 +23,7 @@ COMMON = ["--data", DATA, "--limit", "6", "--max-length", "96", "--model-dtype",
           "--shard-size", "2", "--quiet"]  # fmt: skip
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _env():
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HF_HUB_OFFLINE", "1")
-    mp.setenv("TRANSFORMERS_OFFLINE", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("offline_single_thread")
 
 
 @pytest.fixture(scope="module")

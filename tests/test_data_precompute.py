@@ -8,9 +8,7 @@ import json
 import os
 import shutil
 
-import huggingface_hub.constants
 import pytest
-import torch
 import zstandard
 
 import speccache.data.template as template_module
@@ -29,16 +27,7 @@ DATED_TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _env():
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HF_HUB_OFFLINE", "1")
-    mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("offline_single_thread")
 
 
 @pytest.fixture(scope="module")

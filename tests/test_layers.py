@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import speccache.offline_cache as oc
 from speccache.cli import main
 from speccache.data import load_samples
-from speccache.demo import build_tiny_model_dir, demo_data_path
+from speccache.demo import demo_data_path
 from speccache.errors import CacheFormatError
 from speccache.format import ShardFile, load_manifest_json, manifest_path
 from speccache.methods.eagle3 import Eagle3CacheDataset, build_eagle3_dataloader
@@ -64,29 +64,12 @@ RUNS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _env():
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HF_HUB_OFFLINE", "1")
-    mp.setenv("TRANSFORMERS_OFFLINE", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("offline_single_thread")
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("models")
-    cache: dict[str, str] = {}
-
-    def get(arch: str) -> str:
-        if arch not in cache:
-            cache[arch] = build_tiny_model_dir(str(base / arch), arch, seed=0)
-        return cache[arch]
-
-    return get
+def model_dirs(tiny_models):
+    return tiny_models
 
 
 @pytest.fixture(scope="module")

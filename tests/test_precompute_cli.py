@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 
-import huggingface_hub.constants
 import pytest
 import torch
 import xxhash
@@ -44,18 +43,7 @@ BASE_FLAGS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _env():
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HF_HUB_OFFLINE", "1")
-    mp.setenv("TRANSFORMERS_OFFLINE", "1")
-    # huggingface_hub reads the variables at import; a hub-id-looking --model must not try the network here
-    mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model runs fastest single-threaded on a shared machine
-    yield
-    torch.set_num_threads(threads)
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("offline_single_thread")
 
 
 @pytest.fixture(scope="module")
