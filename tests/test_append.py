@@ -3,16 +3,22 @@ order; a failed append is finished by the same command; other settings are refus
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from cachecmp import all_samples
 from speccache.cli import main
 from speccache.demo import build_tiny_model_dir, demo_data_path
-from speccache.errors import ConfigMismatchError
+from speccache.errors import CacheIncompleteError, ConfigMismatchError
 from speccache.format import load_manifest_json, manifest_path
 from speccache.methods import finite
 from speccache.precompute.run import PrecomputeConfig, run_precompute
+from speccache.read import CacheDataset
 
 COMMON = ["--max-length", "96", "--model-dtype", "fp32", "--dtype", "fp32", "--batch-size", "2", "--shard-size", "4",
           "--quiet", "--nonfinite", "skip"]  # fmt: skip
@@ -100,3 +106,25 @@ def test_append_with_other_settings_is_refused(setup):
                                dtype="bf16", model_dtype="fp32", append=True, nonfinite="skip")  # fmt: skip
         run_precompute(cfg, progress=False)
     assert load_manifest_json(manifest_path(out)) == before
+
+
+@pytest.mark.parametrize("fault", ["after_manifest_begin", "mid_shard_write:1", "mid_manifest_write:1", "before_seal"])
+def test_an_append_killed_anywhere_is_finished_by_the_same_command(setup, fault):
+    """A real SIGKILL at each write of the append; the sealed cache stays readable or the rerun completes it."""
+    model, paths, whole, base = setup
+    out = str(base / f"killed-{fault.replace(':', '-')}")
+    assert _run(model, paths["a"], out) == 0
+    argv = ["precompute", "--model", model, "--data", paths["b"], "--out", out, *COMMON, "--append"]
+    env = {**os.environ, "SPECCACHE_FAULT": fault, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run(
+        [sys.executable, "-m", "speccache.testing.faults", "speccache.cli", *argv],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    try:  # what a reader sees meanwhile: the sealed cache of the first file, or a refusal that says --resume
+        assert len(CacheDataset(out)) == 5
+    except CacheIncompleteError as exc:
+        assert "--resume" in str(exc)
+    assert _run(model, paths["b"], out, "--append") == 0
+    _same_as_whole(out, whole)
+    shutil.rmtree(out)

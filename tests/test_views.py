@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -131,29 +133,24 @@ def test_changed_or_vanished_source_fails_at_open(two):
     assert main(["verify", str(tmp / "v")]) == 1
 
 
-def test_a_killed_view_writer_leaves_no_view(two, monkeypatch):
+@pytest.mark.parametrize("command", ["merge", "subset"])
+def test_a_view_writer_killed_mid_write_leaves_no_view_and_the_rerun_writes_it(two, command):
+    """A real SIGKILL with half of view.json in its temporary file (speccache.testing.faults)."""
     tmp, _, _ = two
     out = str(tmp / "v")
-    real_replace = os.replace
-
-    class Killed(BaseException):
-        pass
-
-    def die(src, dst):
-        if dst.endswith(VIEW_NAME):
-            raise Killed  # the process dies before the rename: the temp file is all there is
-        real_replace(src, dst)
-
-    monkeypatch.setattr(os, "replace", die)
-    with pytest.raises(Killed):
-        main(["merge", str(tmp / "a"), str(tmp / "b"), "--out", out])
-    monkeypatch.setattr(os, "replace", real_replace)
-    assert not is_view(out)
+    argv = [command, str(tmp / "a"), *([str(tmp / "b")] if command == "merge" else ["--where", "tokens >= 1"])]
+    argv += ["--out", out]
+    killed = subprocess.run(
+        [sys.executable, "-m", "speccache.testing.faults", "speccache.cli", *argv],
+        env={**os.environ, "SPECCACHE_FAULT": "mid_view_write"}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not is_view(out) and any(".tmp-" in name for name in os.listdir(out))
     with pytest.raises(CacheFormatError, match="not a readable view"):
         ViewDataset(out)
-    assert main(["merge", str(tmp / "a"), str(tmp / "b"), "--out", out]) == 0
-    assert len(ViewDataset(out)) == 17
-    assert main(["merge", str(tmp / "a"), "--out", out]) == 1  # a written view is never overwritten
+    assert main(argv) == 0
+    assert len(ViewDataset(out)) == (17 if command == "merge" else 10)
+    assert main(argv) == 1  # a written view is never overwritten
     assert len(CacheDataset(str(tmp / "a"))) == 10
 
 

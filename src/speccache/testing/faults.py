@@ -14,6 +14,8 @@ Fault points (``POINT`` or ``POINT:N``, N 1-based, default 1):
     with half of the manifest's JSON in its temporary file.
 ``mid_shard_write``
     with the header and half of a safetensors file's bytes in its temporary file, before the rename.
+``mid_view_write``
+    with half of a view's ``view.json`` in its temporary file (``speccache merge`` / ``subset``).
 ``before_seal``
     every shard written, before the sealed manifest is.
 ``after_seal``
@@ -35,10 +37,17 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from speccache.format import durable, manifest, safetensors_file
+from speccache.format import durable, manifest, safetensors_file, view
 
 ENV = "SPECCACHE_FAULT"
-POINTS = ("after_manifest_begin", "mid_manifest_write", "mid_shard_write", "before_seal", "after_seal")
+POINTS = (
+    "after_manifest_begin",
+    "mid_manifest_write",
+    "mid_shard_write",
+    "mid_view_write",
+    "before_seal",
+    "after_seal",
+)
 
 __all__ = ["ENV", "POINTS", "install", "install_from_env", "main"]
 
@@ -69,7 +78,11 @@ def install(spec: str) -> Callable[[], None]:
     if target < 1:
         raise ValueError(f"{ENV}={spec!r}: the count must be >= 1")
     hits = [0]
-    real_manifest_write, real_file_write = manifest.atomic_write, safetensors_file.atomic_write
+    real_manifest_write, real_file_write, real_view_write = (
+        manifest.atomic_write,
+        safetensors_file.atomic_write,
+        view.atomic_write,
+    )
 
     def hit() -> bool:
         hits[0] += 1
@@ -91,12 +104,19 @@ def install(spec: str) -> Callable[[], None]:
             _torn(path, write_fn)
         return real_file_write(path, write_fn)
 
+    def view_write(path: str, write_fn: Callable[[str], Any]) -> str:
+        if point == "mid_view_write" and hit():
+            _torn(path, write_fn)
+        return real_view_write(path, write_fn)
+
     manifest.atomic_write = manifest_write  # type: ignore[assignment]
     safetensors_file.atomic_write = file_write  # type: ignore[assignment]
+    view.atomic_write = view_write  # type: ignore[assignment]
 
     def disarm() -> None:
         manifest.atomic_write = real_manifest_write  # type: ignore[assignment]
         safetensors_file.atomic_write = real_file_write  # type: ignore[assignment]
+        view.atomic_write = real_view_write  # type: ignore[assignment]
 
     return disarm
 
