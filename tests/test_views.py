@@ -78,6 +78,10 @@ def test_merge_reads_the_concatenation_tensor_for_tensor(two):
     assert len(view) == 17
     assert same_samples([dict(view[i]) for i in range(len(view))], all_samples(str(tmp / "direct")))
     assert view.sample_weights() == [2.0] * 10 + [1.0] * 7
+    plain = CacheDataset(str(tmp / "v"), max_open_shards=2)  # the reader accepts a view wherever a cache goes
+    assert isinstance(plain, ViewDataset) and same_samples(
+        [dict(plain[i]) for i in range(17)], all_samples(str(tmp / "direct"))
+    )
     body = json.loads((tmp / "v" / VIEW_NAME).read_text())
     assert [s["path"] for s in body["sources"]] == ["../a", "../b"]  # relative: the tree can move as a whole
 
@@ -169,3 +173,23 @@ def test_locality_sampler_honours_weights():
     )
     with pytest.raises(ValueError, match="one finite weight >= 0 per sample"):
         LocalityShuffleSampler(3, 4, weights=[1.0, -1.0, 1.0])
+
+
+def test_inspect_stats_and_verify_json_accept_a_view(two, capsys):
+    tmp, a, b = two
+    out = str(tmp / "v")
+    assert main(["subset", str(tmp / "a"), "--where", "supervised_tokens >= 2", "--out", out]) == 0
+    picked = [s for s in a if int(s["loss_mask"].sum()) >= 2]
+    capsys.readouterr()
+    assert main(["inspect", out, "--stats", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)["sample_stats"]
+    assert stats["supervised_tokens"] == [int(s["loss_mask"].sum()) for s in picked]
+    assert stats["tokens"] == [len(s["input_ids"]) for s in picked]
+    assert main(["inspect", out, "--stats"]) == 0
+    assert f"stats      supervised_tokens: {len(picked)} samples" in capsys.readouterr().out
+    assert main(["verify", out, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"cache_dir": out, "view": True, "ok": True, "problems": []}
+    os.unlink(shard_path(str(tmp / "a"), 0))
+    assert main(["verify", out, "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["ok"] and "shard-000000" in report["problems"][0]

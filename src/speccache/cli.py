@@ -73,7 +73,12 @@ def inspect_view(args: argparse.Namespace) -> int:
     dataset = ViewDataset(args.cache_dir)
     view = dataset.view
     if args.json:
-        print(json.dumps(view.to_json(), indent=2, sort_keys=True))
+        body = view.to_json()
+        if args.stats:
+            from speccache.read.stats import cache_sample_stats
+
+            body["sample_stats"] = cache_sample_stats(args.cache_dir)
+        print(json.dumps(body, indent=2, sort_keys=True))
         return 0
     print(f"view       {args.cache_dir} ({view.cache_name}): {len(dataset)} samples from {len(view.sources)} caches")
     print(f"selection  {json.dumps(view.selection, sort_keys=True)}")
@@ -81,6 +86,8 @@ def inspect_view(args: argparse.Namespace) -> int:
         count = sum(end - start for s, start, end in view.runs if s == number)
         where = view.source_dir(number)
         print(f"source     {where}: {count} samples, {len(source.shards)} shards, weight {source.weight:g}")
+    if args.stats:
+        print_sample_stats(args.cache_dir)
     return 0
 
 
@@ -107,9 +114,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
         from speccache.read.view import verify_view
 
         problems = verify_view(args.cache_dir)
-        for problem in problems:
-            print(f"PROBLEM  {problem}")
-        print(f"{args.cache_dir}: {'sound' if not problems else f'{len(problems)} problem(s)'} (view)")
+        if args.json:
+            print(
+                json.dumps(
+                    {"cache_dir": args.cache_dir, "view": True, "ok": not problems, "problems": problems}, indent=2
+                )
+            )
+        else:
+            for problem in problems:
+                print(f"PROBLEM  {problem}")
+            print(f"{args.cache_dir}: {'sound' if not problems else f'{len(problems)} problem(s)'} (view)")
         return 0 if not problems else 1
     from speccache.read.verify import verify_cache
 

@@ -41,6 +41,7 @@ from speccache.format import (
     shard_path,
     validate_contiguous_shards,
 )
+from speccache.format.view import is_view
 
 Sample = dict[str, torch.Tensor]
 
@@ -246,6 +247,8 @@ class CacheDataset(Dataset):
     :class:`SampleView` objects; ``ds[i]`` is ``dict(ds.__getitems__([i])[0])``, so a
     subclass customises samples by overriding ``__getitems__`` alone.
 
+    A view directory is read as the samples it selects from its sources (see ``__new__``).
+
     Each shard's identity is checked whenever it is (re)opened: its size against the
     manifest's shard table, its recorded index and counts against the manifest, and the
     manifest file against the one this reader started from, so that a cache regenerated
@@ -266,6 +269,15 @@ class CacheDataset(Dataset):
             missing or extra shards.
         CacheIncompleteError: the cache is not sealed and ``allow_incomplete`` is off.
     """
+
+    def __new__(cls, cache_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        """A view directory (``speccache merge``/``subset``) opens as a
+        :class:`speccache.read.view.ViewDataset` whose sources are read by this class."""
+        if cache_dir is not None and is_view(cache_dir):  # (unpickling calls __new__ without arguments)
+            from speccache.read.view import ViewDataset  # the view reader builds on this module
+
+            return ViewDataset(cache_dir, *args, dataset_cls=cls, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,

@@ -13,18 +13,28 @@ from collections.abc import Sequence
 from typing import Any
 
 from speccache.format import Manifest, NativeShard, existing_shard_indices, shard_path
+from speccache.format.view import View, is_view
 
 __all__ = ["cache_sample_stats", "histogram"]
 
 
 def cache_sample_stats(cache_dir: str) -> dict[str, list[Any]]:
-    """Every per-sample statistic of the cache's shards, concatenated in sample order.
+    """Every per-sample statistic of the cache's shards (or of the samples a view selects), in sample order.
 
     A statistic some shard lacks (written before statistics existed) is absent.
 
     Raises:
-        CacheFormatError, CacheCorruptError: no manifest, or a shard that does not match it.
+        CacheFormatError, CacheCorruptError: no manifest, or a shard that does not match it; for a view, a
+            source that changed or vanished.
     """
+    if is_view(cache_dir):
+        view = View.read(cache_dir)
+        per_source = [cache_sample_stats(view.source_dir(i)) for i in range(len(view.sources))]
+        names = set.intersection(*(set(stats) for stats in per_source)) if per_source else set()
+        return {
+            name: [v for source, start, end in view.runs for v in per_source[source][name][start:end]]
+            for name in sorted(names)
+        }
     manifest = Manifest.read(cache_dir)
     present = existing_shard_indices(cache_dir)
     out: dict[str, list[Any]] | None = None
