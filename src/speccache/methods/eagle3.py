@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from speccache.data import SOURCE_ROW_KEY, source_row_spec
 from speccache.errors import CacheFormatError
@@ -45,7 +45,7 @@ from speccache.format import LENGTHS_KEY, STAT_PREFIX, KeySpec, Schema, ShardFil
 from speccache.format.view import is_view
 from speccache.methods.decoder import decoder_layers, forward_capturing
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
-from speccache.read import CacheDataset, LocalityShuffleSampler, PadCollator, Sample, distributed_position
+from speccache.read import CacheDataset, PadCollator, Sample, default_sampler
 from speccache.read.view import ViewDataset
 
 CACHE_NAME = "eagle3"
@@ -458,20 +458,16 @@ def build_eagle3_dataloader(
     else:
         dataset = first = Eagle3CacheDataset(cache_dir, keys, **options)
         prefetch = dataset.prefetch
-    if sampler is None and (shuffle or distributed):
-        rank, world_size = distributed_position() if distributed else (0, 1)
-        if shuffle:
-            sampler = LocalityShuffleSampler(
-                dataset,
-                first.shard_size,
-                seed=seed,
-                rank=rank,
-                world_size=world_size,
-                prefetch=prefetch,
-                weights=weights,
-            )
-        else:
-            sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+    if sampler is None:
+        sampler = default_sampler(
+            dataset,
+            first.shard_size,
+            shuffle=shuffle,
+            distributed=distributed,
+            seed=seed,
+            prefetch=prefetch,
+            weights=weights,
+        )
     loader_kwargs.setdefault("pin_memory", torch.cuda.is_available())
     return DataLoader(
         dataset,

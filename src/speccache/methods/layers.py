@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from speccache.data import SOURCE_ROW_KEY, source_row_spec
 from speccache.errors import CacheFormatError
@@ -49,7 +49,7 @@ from speccache.format import LENGTHS_KEY, KeySpec, Manifest, Schema
 from speccache.methods.decoder import decoder_layers, forward_capturing
 from speccache.methods.eagle3 import default_aux_layers
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
-from speccache.read import CacheDataset, LocalityShuffleSampler, PadCollator, Sample, distributed_position
+from speccache.read import CacheDataset, PadCollator, Sample, default_sampler
 
 CACHE_NAME = "layers"
 SIDE_FILE = "layers_side.safetensors"
@@ -431,14 +431,10 @@ def build_layer_dataloader(
     Raises:
         RuntimeError: ``distributed`` without an initialised process group.
     """
-    if sampler is None and (shuffle or distributed):
-        rank, world_size = distributed_position() if distributed else (0, 1)
-        if shuffle:
-            sampler = LocalityShuffleSampler(
-                dataset, dataset.shard_size, seed=seed, rank=rank, world_size=world_size, prefetch=dataset.prefetch
-            )
-        else:
-            sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+    if sampler is None:
+        sampler = default_sampler(
+            dataset, dataset.shard_size, shuffle=shuffle, distributed=distributed, seed=seed, prefetch=dataset.prefetch
+        )
     loader_kwargs.setdefault("pin_memory", torch.cuda.is_available())
     return DataLoader(
         dataset,

@@ -2,7 +2,7 @@
 
 from speccache.read.collate import PackCollator, PadCollator
 from speccache.read.dataset import CacheDataset, Sample, SampleView
-from speccache.read.sampler import LocalityShuffleSampler, distributed_position
+from speccache.read.sampler import LocalityShuffleSampler, default_sampler, distributed_position
 from speccache.read.verify import Problem, VerifyReport, inspect_cache, verify_cache
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "Sample",
     "SampleView",
     "VerifyReport",
+    "default_sampler",
     "distributed_position",
     "inspect_cache",
     "verify_cache",

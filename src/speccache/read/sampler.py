@@ -42,9 +42,9 @@ from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any
 
 import numpy as np
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler, Sampler
 
-__all__ = ["LocalityShuffleSampler", "distributed_position"]
+__all__ = ["LocalityShuffleSampler", "default_sampler", "distributed_position"]
 
 _CHECKED = ("seed", "window", "shard_size", "num_samples", "world_size", "drop_last")
 
@@ -261,3 +261,29 @@ def distributed_position() -> tuple[int, int]:
         + (f" (WORLD_SIZE={launched} is set: this process was started by torchrun)" if launched else "")
         + ": call torch.distributed.init_process_group() before building the loader, or pass rank= and world_size=."
     )
+
+
+def default_sampler(
+    dataset: Sized,
+    shard_size: int,
+    *,
+    shuffle: bool,
+    distributed: bool,
+    seed: int = 0,
+    prefetch: Callable[[list[int]], object] | None = None,
+    weights: Sequence[float] | None = None,
+) -> Sampler[int] | None:
+    """The sampler the dataloader builders use: locality shuffling when ``shuffle``, this rank's share when
+    ``distributed``, ``None`` (the DataLoader's sequential order) otherwise.
+
+    Raises:
+        RuntimeError: ``distributed`` without an initialised process group.
+    """
+    if not (shuffle or distributed):
+        return None
+    rank, world_size = distributed_position() if distributed else (0, 1)
+    if shuffle:
+        return LocalityShuffleSampler(
+            dataset, shard_size, seed=seed, rank=rank, world_size=world_size, prefetch=prefetch, weights=weights
+        )
+    return DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)  # type: ignore[arg-type]
