@@ -60,8 +60,8 @@ from speccache.format import load_manifest_json, manifest_path, shard_path
 from speccache.format.lock import LOCK_NAME
 from speccache.read.verify import verify_cache
 from speccache.write import partition_cache_shards
-from speccache.write.cache_writer import CacheWriter, SideFile, _rebuild_error
-from speccache.write.dist import TorchComm, collective_failure_message, init_from_env, shutdown
+from speccache.write.cache_writer import CacheWriter, SideFile
+from speccache.write.dist import TorchComm, _rebuild_error, collective_failure_message, init_from_env, shutdown
 from speccache.write.writers import NativeShardWriter
 
 COMMON = dict(hidden=16, max_len=24, seed=3)

@@ -23,7 +23,6 @@ nothing to write never un-seals it.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import os
 import socket
@@ -55,7 +54,7 @@ from speccache.format import (
 )
 from speccache.format.lock import lock_path
 from speccache.format.manifest import COMPARED_ON_RESUME
-from speccache.write.dist import Comm, LocalComm
+from speccache.write.dist import Comm, LocalComm, agree
 from speccache.write.loops import WriteShardFn, partition_cache_shards
 from speccache.write.writers import NativeShardWriter, OverlappedShardWriter
 
@@ -150,37 +149,12 @@ class CacheWriter:
         start_shard, _, local = partition_cache_shards(num_samples, shard_size, self.comm.world_size, self.comm.rank)
         self.local_shards = list(range(start_shard, start_shard + num_shards(local, shard_size)))
 
-    # -- collective error handling: a failure on one rank becomes the same exception on all
-
-    def _on_all_ranks(self, fn: Callable[[], Any]) -> Any:
-        # Any exception is caught: a rank that raised before the all_gather would leave the others waiting in it.
-        # The first failing rank's error is raised everywhere (type and message; by name, which always pickles).
-        error: Exception | None = None
-        result = None
-        try:
-            result = fn()
-        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
-            error = exc
-        report = None if error is None else (type(error).__module__, type(error).__qualname__, str(error))
-        try:
-            reports = self.comm.all_gather(report)
-        except DistributedError:
-            if error is not None:
-                raise error from None
-            raise
-        for rank, item in enumerate(reports):
-            if item is not None:
-                if rank == self.comm.rank and error is not None:
-                    raise error
-                raise _rebuild_error(rank, *item)
-        return result
-
     def preflight(self) -> None:
         """Check the directory against this run without taking the lock or writing anything.
 
         Lets a producer fail before loading a model; :meth:`writing` checks again under the lock.
         """
-        self._on_all_ranks(self._check_directory if self.comm.rank == 0 else lambda: None)
+        agree(self.comm, self._check_directory if self.comm.rank == 0 else lambda: None)
 
     @contextlib.contextmanager
     def writing(self, side_files: tuple[SideFile, ...] = (), overlap: bool = True) -> Iterator[WriteRun]:
@@ -237,12 +211,12 @@ class CacheWriter:
                 raise
 
         try:
-            self._on_all_ranks(_prepare if self.comm.rank == 0 else lambda: None)
-            todo = self._on_all_ranks(self._shards_to_compute)
+            agree(self.comm, _prepare if self.comm.rank == 0 else lambda: None)
+            todo = agree(self.comm, self._shards_to_compute)
             # A sealed cache stays sealed (readers keep reading it) unless some rank has a shard to rewrite.
             states = self.comm.all_gather((bool(todo), self._sealed_on_disk is not None))
             if not states[0][1] or any(has_work for has_work, _ in states):
-                self._on_all_ranks(self._unseal if self.comm.rank == 0 else lambda: None)
+                agree(self.comm, self._unseal if self.comm.rank == 0 else lambda: None)
             return todo
         except BaseException:
             self._lock.release()
@@ -368,27 +342,9 @@ class CacheWriter:
                     self._lock.release()
 
             # Every rank returns once the sealed manifest is on disk and the lock is free; a failed write fails all.
-            self._on_all_ranks(_write_sealed)
+            agree(self.comm, _write_sealed)
         finally:
             self._lock.release()
-
-
-def _rebuild_error(rank: int, module: str, qualname: str, message: str) -> Exception:
-    """Rank ``rank``'s exception, recreated here: the same type for speccache and built-in errors."""
-    kind: Any = None
-    if module == "builtins" or module == "speccache" or module.startswith("speccache."):
-        try:
-            kind = importlib.import_module(module)
-            for part in qualname.split("."):
-                kind = getattr(kind, part)
-        except (ImportError, AttributeError):
-            kind = None
-    if isinstance(kind, type) and issubclass(kind, Exception):
-        try:
-            return kind(message)
-        except Exception:  # noqa: BLE001 - a constructor that wants other arguments
-            pass
-    return DistributedError(f"rank {rank} failed: {module}.{qualname}: {message}")
 
 
 def _describe_difference(key: str, found: Any, wanted: Any) -> str:

@@ -15,8 +15,10 @@ with NCCL the backend's watchdog aborts the process after the timeout.
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -29,6 +31,10 @@ __all__ = [
     "Comm",
     "LocalComm",
     "TorchComm",
+    "DataParallelGroups",
+    "agree",
+    "data_parallel_groups",
+    "group_mesh",
     "launched_distributed",
     "init_from_env",
     "shutdown",
@@ -123,7 +129,7 @@ class TorchComm:
         self.timeout_s = timeout_s
         self.owns_group = owns_group
         # NCCL reduces only CUDA tensors; Gloo only CPU ones.
-        self._device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        self.device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
     def _run(self, op: str, fn: Callable[[], T]) -> T:
         try:
@@ -139,16 +145,144 @@ class TorchComm:
         return out
 
     def max_int(self, value: int) -> int:
-        t = torch.tensor([value], dtype=torch.int64, device=self._device)
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
         self._run("all_reduce(max)", lambda: self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self._group))
         return int(t.item())
 
     def sum_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        t = tensor.to(self._device)
+        t = tensor.to(self.device)
         if t is tensor:
             t = t.clone()  # all_reduce works in place; leave the caller's tensor alone
         self._run("all_reduce(sum)", lambda: self._dist.all_reduce(t, op=self._dist.ReduceOp.SUM, group=self._group))
         return t.cpu()
+
+
+def agree(comm: Comm, fn: Callable[[], T] | None, *, leader_only: bool = False) -> T:
+    """Run ``fn`` on every rank of ``comm`` and fail on all ranks if it failed on any.
+
+    The first failing rank's exception is raised everywhere (the same type for speccache and built-in
+    errors, rebuilt by name, which always pickles), so no rank is left waiting in a later collective.
+
+    Args:
+        comm: the ranks that agree.
+        fn: the work (may be ``None`` on the ranks that do not run it).
+        leader_only: run ``fn`` on rank 0 alone and return its result on every rank.
+
+    Returns:
+        This rank's result (rank 0's with ``leader_only``).
+    """
+    error: Exception | None = None
+    result: Any = None
+    if not leader_only or comm.rank == 0:
+        assert fn is not None, "the rank that runs the work was given none"
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+            error = exc
+    report = None if error is None else (type(error).__module__, type(error).__qualname__, str(error))
+    try:
+        gathered = comm.all_gather((report, result if leader_only else None))
+    except DistributedError:
+        if error is not None:
+            raise error from None
+        raise
+    for rank, (item, _) in enumerate(gathered):
+        if item is not None:
+            if rank == comm.rank and error is not None:
+                raise error
+            raise _rebuild_error(rank, *item)
+    return gathered[0][1] if leader_only else result
+
+
+def _rebuild_error(rank: int, module: str, qualname: str, message: str) -> Exception:
+    """Rank ``rank``'s exception, recreated here: the same type for speccache and built-in errors."""
+    kind: Any = None
+    if module == "builtins" or module == "speccache" or module.startswith("speccache."):
+        try:
+            kind = importlib.import_module(module)
+            for part in qualname.split("."):
+                kind = getattr(kind, part)
+        except (ImportError, AttributeError):
+            kind = None
+    if isinstance(kind, type) and issubclass(kind, Exception):
+        try:
+            return kind(message)
+        except Exception:  # noqa: BLE001 - a constructor that wants other arguments
+            pass
+    return DistributedError(f"rank {rank} failed: {module}.{qualname}: {message}")
+
+
+@dataclass
+class DataParallelGroups:
+    """The ranks split into data-parallel groups of ``size`` consecutive ranks that compute one batch stream.
+
+    Every rank of a group computes the same batches (a tensor-parallel target); the group's first rank writes.
+
+    Attributes:
+        size: ranks per group.
+        count: groups (``world_size / size``).
+        writers: the process group of the groups' writing ranks (a data-parallel world of
+            ``world_size / size`` ranks), or ``None`` on a rank that computes but does not write.
+        group: this rank's group.
+    """
+
+    size: int
+    count: int
+    writers: Comm | None
+    group: Comm
+
+    def from_writer(self, fn: Callable[[], T] | None) -> T:
+        """``fn()`` run on the group's writing rank (``None`` on the others), its result or error handed to all."""
+        return agree(self.group, fn, leader_only=True)
+
+
+def data_parallel_groups(comm: Comm, size: int, flag: str = "--tp-size") -> DataParallelGroups:
+    """Split ``comm`` into groups of ``size`` consecutive ranks (collective: every rank calls it).
+
+    Raises:
+        ValueError: ``size`` does not divide the world size.
+    """
+    if size < 1 or comm.world_size % size:
+        raise ValueError(
+            f"{flag} {size} must divide the number of ranks ({comm.world_size}): the ranks form "
+            f"world_size / {flag} data-parallel groups"
+        )
+    if size == 1:
+        return DataParallelGroups(1, comm.world_size, comm, LocalComm())
+    assert isinstance(comm, TorchComm)  # a LocalComm has world size 1, which only size 1 divides
+    import torch.distributed as dist
+
+    # new_group is collective: every rank creates every group, in the same order.
+    groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(comm.world_size // size)]
+    first = list(range(0, comm.world_size, size))
+    writers_group = dist.new_group(first) if len(first) > 1 else None
+    mine = groups[comm.rank // size]
+    group = TorchComm(comm.device, timeout_s=comm.timeout_s, group=mine)
+    writers: Comm | None = None
+    if comm.rank in first:
+        writers = (
+            LocalComm()
+            if writers_group is None
+            else TorchComm(comm.device, timeout_s=comm.timeout_s, group=writers_group)
+        )
+    return DataParallelGroups(size, comm.world_size // size, writers, group)
+
+
+def group_mesh(device: torch.device, groups: int, dims: dict[str, int]) -> Any:
+    """This rank's slice of a ``(group, *dims)`` device mesh over all ranks (collective: every rank calls it).
+
+    Args:
+        device: the device the mesh's collectives use.
+        groups: the number of groups of consecutive ranks.
+        dims: the named dimensions of one group's mesh and their sizes (their product: the group's size).
+
+    Returns:
+        A ``DeviceMesh`` over this rank's group with the dimensions ``dims``.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (groups, *dims.values()), mesh_dim_names=("group", *dims))
+    return mesh[tuple(dims)]
 
 
 def launched_distributed() -> bool:
