@@ -21,7 +21,17 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "shard_memory.py
 
 @pytest.mark.timeout(900)
 def test_fsdp_peak_rss_per_rank_is_its_share_of_the_model(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(BENCH), "--world", "2", "--model-dir", str(tmp_path / "model")]
+    cmd = [
+        sys.executable,
+        str(BENCH),
+        "--world",
+        "2",
+        "--modes",
+        "replicate",
+        "fsdp",
+        "--model-dir",
+        str(tmp_path / "model"),
+    ]
     cmd += ["--tiny-dir", str(tmp_path / "tiny")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=840, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -88,6 +88,12 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"use_sliding_window": False}),
+    # a mixture of experts saved, like Qwen3-235B-A22B, with one tensor per expert (transformers fuses them on load)
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"use_sliding_window": False, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    ),
 }
 
 
@@ -205,7 +211,7 @@ def build_tiny_model_dir(path: str, architecture: str, seed: int = 0) -> str:
 
     Args:
         path: Target directory; must not exist, be empty, or hold this same build.
-        architecture: One of :data:`ARCHITECTURES` (``llama``, ``mistral``, ``qwen2``, ``qwen3``).
+        architecture: One of :data:`ARCHITECTURES` (``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``qwen3_moe``).
         seed: Torch seed of the random weights.
 
     Returns:

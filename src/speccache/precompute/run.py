@@ -10,6 +10,7 @@ writes nothing. The run then follows :class:`speccache.cache_writer.CacheWriter`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -55,14 +56,16 @@ from speccache.methods.layers import SIDE_FILE as LAYERS_SIDE_FILE
 from speccache.methods.layers import LayerSelection, LayersTarget, layers_schema, preset_selection
 from speccache.methods.layers import side_tensors as layers_side_tensors
 from speccache.precompute.append import DATA_FIELDS, AppendedDataset, merge_stats, plan_append, stored_selection
-from speccache.precompute.target import check_shard_target, load_target, target_device
+from speccache.precompute.target import check_shard_target, check_tp_plan, load_target, target_device
 from speccache.units import human_bytes
 from speccache.write import (
     CacheWriter,
     Comm,
     LocalComm,
     SideFile,
+    WriteRun,
     compute_shard_runs,
+    data_parallel_groups,
     init_from_env,
     partition_cache_shards,
     shutdown,
@@ -164,6 +167,7 @@ class PrecomputeConfig:
     model_dtype: str = "auto"
     nonfinite: str = "fail"
     shard_target: str = "replicate"
+    tp_size: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PrecomputeConfig:
@@ -203,6 +207,7 @@ class PrecomputeConfig:
             model_dtype=getattr(args, "model_dtype", "auto"),
             nonfinite=getattr(args, "nonfinite", "fail"),
             shard_target=getattr(args, "shard_target", "replicate"),
+            tp_size=getattr(args, "tp_size", None),
         )
         cfg.check()
         return cfg
@@ -257,7 +262,7 @@ class PrecomputeConfig:
             raise ValueError(f"--reasoning {self.reasoning!r} is unknown; choose one of {', '.join(REASONING_MODES)}")
         if _looks_local(self.model) and not os.path.isdir(self.model):
             raise FileNotFoundError(f"--model {self.model}: no such model directory")
-        check_shard_target(self.shard_target)
+        check_shard_target(self.shard_target, self.tp_size)
         if self.out and os.path.exists(self.out) and not os.path.isdir(self.out):
             raise NotADirectoryError(f"--out {self.out} is a file; give a directory for the cache")
 
@@ -340,6 +345,8 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
             f"--model {cfg.model}: no model directory or loadable model config there ({exc})"
         ) from exc
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    if cfg.shard_target == "tp":
+        check_tp_plan(model_config, cfg.tp_size or (comm or LocalComm()).world_size)
     num_layers = int(text_config.num_hidden_layers)
     selection = None
     if cfg.method == "eagle3":
@@ -513,6 +520,9 @@ def padded_probs_bytes(num_samples: int, max_length: int, hidden: int, draft_voc
 def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bool = True) -> Manifest:
     """Write the cache of ``cfg.method`` (EAGLE-3 or a layer method); returns the sealed manifest.
 
+    Under ``--shard-target tp`` the ranks form groups of ``--tp-size``: every rank of a group computes the
+    group's batches (the forward is a collective of the group) and the group's first rank writes them.
+
     Args:
         cfg: the validated settings.
         comm: the process group (default: this process alone).
@@ -523,27 +533,31 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
         DataError, ValueError: bad data or settings (nothing written).
     """
     comm = comm or LocalComm()
+    check_shard_target(cfg.shard_target, cfg.tp_size, comm.world_size)
     device = target_device(cfg.device)
     plan = make_plan(cfg, comm)
+    groups = data_parallel_groups(comm, (cfg.tp_size or comm.world_size) if cfg.shard_target == "tp" else 1)
     extension = plan_append(cfg.out, plan.manifest_config, len(plan.samples), cfg.shard_size) if cfg.append else None
-    writer = CacheWriter(
-        cfg.out,
-        cache_name=plan.cache_name,
-        schema=plan.schema,
-        shard_size=cfg.shard_size,
-        num_samples=len(plan.samples) if extension is None else extension.num_samples,
-        config=plan.manifest_config if extension is None else extension.config,
-        resume=cfg.resume,
-        comm=comm,
-        append_fields=None if extension is None else DATA_FIELDS,
-    )
-    writer.preflight()
+    writer = None
+    if groups.writers is not None:
+        writer = CacheWriter(
+            cfg.out,
+            cache_name=plan.cache_name,
+            schema=plan.schema,
+            shard_size=cfg.shard_size,
+            num_samples=len(plan.samples) if extension is None else extension.num_samples,
+            config=plan.manifest_config if extension is None else extension.config,
+            resume=cfg.resume,
+            comm=groups.writers,
+            append_fields=None if extension is None else DATA_FIELDS,
+        )
+    groups.from_writer(None if writer is None else writer.preflight)
     if extension is not None and plan.selection is None:  # an append keeps the cache's draft vocabulary
         selected = stored_selection(cfg.out, plan.side_file)
     else:
         counts = draft_token_counts(plan, comm)
         selected = select_draft_vocab(counts, plan.draft_vocab_size, _special_ids(plan.tokenizer))
-    loaded = load_target(cfg.model, cfg.model_dtype, device, cfg.shard_target)
+    loaded = load_target(cfg.model, cfg.model_dtype, device, cfg.shard_target, groups)
     model = loaded.model
     target: Eagle3Target | LayersTarget
 
@@ -571,12 +585,31 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
         collate_fn=lambda b: pad_tokens(b, pad_id),
     )
     ragged = [k for k, s in plan.schema.items() if s.ragged]
+    # A forward that is a collective of all ranks (fsdp) needs every rank to take the same number of steps;
+    # a tensor-parallel forward is a collective of its group, whose ranks all compute the same batches.
+    lockstep = comm.max_int if comm.world_size > 1 and groups.size == 1 else None
+    if writer is None:  # a tensor-parallel rank that computes its group's batches for the group's writer
+        shards = groups.from_writer(None)
+        compute_shard_runs(loader, cfg.out, cfg.shard_size, shards, target.compute_batch, _discard, log)
+        comm.max_int(0)  # returns once every writer has sealed the cache
+        return Manifest.read(cfg.out)
+
     itemsize = torch.empty((), dtype=DTYPES[cfg.dtype]).element_size()
     started = time.monotonic()
     side_file = SideFile(plan.side_file, side_tensors, {"speccache_side": plan.cache_name})
     # skipped_rows.jsonl is written only when a row was skipped, so a clean dataset's cache has no empty file.
     skipped_file = SideFile(SKIPPED_ROWS_FILE, content=plan.stats.skipped_rows_jsonl)
-    with writer.writing(side_files=(side_file, skipped_file) if plan.stats.skipped_rows else (side_file,)) as run:
+    side_files = (side_file, skipped_file) if plan.stats.skipped_rows else (side_file,)
+    with contextlib.ExitStack() as stack:
+        run: WriteRun | None = None
+
+        def begin() -> list[int]:
+            nonlocal run
+            run = stack.enter_context(writer.writing(side_files=side_files))
+            return run.shards
+
+        groups.from_writer(begin)  # the group's other ranks compute the same shards
+        assert run is not None
         todo_samples = sum(shard_samples(i, writer.manifest.num_samples, cfg.shard_size) for i in run.shards)
         bar = _Progress(todo_samples, enabled=progress and comm.rank == 0)
 
@@ -595,7 +628,7 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
                 cleared.write_shard,
                 log,
                 ragged_keys=ragged,
-                sync_max_steps=comm.max_int if comm.world_size > 1 else None,
+                sync_max_steps=lockstep,
                 on_batch=on_batch,
             )
         finally:
@@ -613,15 +646,26 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
         if extension is not None:
             run.stats = merge_stats(extension.stats_before, run.stats)
         # counted over every shard of the cache (an append's too): a total, not a sum
-        nonfinite = int(comm.sum_tensor(torch.tensor([cleared.total], dtype=torch.int64))[0])
+        nonfinite = int(writer.comm.sum_tensor(torch.tensor([cleared.total], dtype=torch.int64))[0])
         if nonfinite or cfg.nonfinite == "skip":
             run.stats.setdefault("skipped_rows", {})[SKIP_REASON] = nonfinite
         if cfg.shard_target != "replicate":  # informational: a resume may change the mode and the world size
-            run.stats["parallel"] = {"shard_target": cfg.shard_target, "world_size": comm.world_size}
+            run.stats["parallel"] = {
+                "shard_target": cfg.shard_target,
+                "world_size": comm.world_size,
+                **({"tp_size": groups.size} if cfg.shard_target == "tp" else {}),
+            }
+    if groups.size > 1:
+        comm.max_int(0)  # the group's other ranks return once the cache is sealed
     manifest = writer.manifest
     if comm.rank == 0 and progress:
         print(summary_line(manifest, time.monotonic() - started))
     return manifest
+
+
+def _discard(output_dir: str, index: int, samples: dict[str, torch.Tensor]) -> str:
+    """The shard writer of a rank whose group's first rank writes: the group computed the shard, one rank keeps it."""
+    return ""
 
 
 def summary_line(manifest: Manifest, seconds: float) -> str:
@@ -706,7 +750,14 @@ def register_commands(sub: Any) -> None:
     p.add_argument(
         "--shard-target",
         default="replicate",
-        help="under torchrun: replicate (a whole target per rank, default) or fsdp (FSDP2 over all ranks)",
+        help="under torchrun: replicate (a whole target per rank, default), fsdp (FSDP2 over all ranks) "
+        "or tp (tensor parallel over groups of --tp-size ranks)",
+    )
+    p.add_argument(
+        "--tp-size",
+        type=int,
+        default=None,
+        help="--shard-target tp: ranks per tensor-parallel group (default: all); world_size / T groups split the data",
     )
     p.add_argument(
         "--nonfinite",

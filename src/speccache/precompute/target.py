@@ -1,10 +1,18 @@
-"""Loading the target: whole on each rank (``replicate``) or FSDP2-sharded over all ranks (``fsdp``).
+"""Loading the target: whole on each rank (``replicate``), FSDP2-sharded over all ranks (``fsdp``), or
+tensor-parallel over groups of ranks (``tp``).
 
 ``fsdp`` builds the model on the meta device, wraps every decoder layer, the
 decoder and the output head with ``torch.distributed.fsdp.fully_shard``, and
 fills each rank's local shards straight from the safetensors checkpoint,
 reading only the rows the rank owns (``safe_open(...).get_slice``): no rank
-ever holds the whole model.
+ever holds the whole model. A parameter that transformers builds from several
+checkpoint tensors (an MoE layer's fused experts) is built with transformers'
+own conversion, from the rank's experts alone.
+
+``tp`` is transformers' own tensor-parallel loading (``DistributedConfig(tp_size=T)``,
+PyTorch DTensor), each rank reading its slices of the checkpoint, over this
+rank's group of ``T`` ranks: the ``world_size / T`` groups each hold a copy of
+the model, and a forward talks only within its group.
 
 The side file (embeddings, LM-head rows) of a sharded target is read from the
 checkpoint by the rank that writes it, so it needs no collective and no other
@@ -13,9 +21,10 @@ rank ever materialises those tensors.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -24,11 +33,18 @@ import torch
 from torch import nn
 
 from speccache.methods.decoder import decoder_layers
-from speccache.write.dist import fully_shard_units, local_rows
+from speccache.write.dist import (
+    DataParallelGroups,
+    TorchComm,
+    data_parallel_groups,
+    fully_shard_units,
+    group_mesh,
+    local_rows,
+)
 
-__all__ = ["SHARD_MODES", "LoadedTarget", "load_target", "target_device", "check_shard_target"]
+__all__ = ["SHARD_MODES", "LoadedTarget", "load_target", "target_device", "check_shard_target", "check_tp_plan"]
 
-SHARD_MODES = ("replicate", "fsdp")
+SHARD_MODES = ("replicate", "fsdp", "tp")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -56,17 +72,63 @@ def target_device(device: str | None) -> torch.device:
     return torch.device("cpu")
 
 
-def check_shard_target(mode: str) -> None:
-    """Check ``--shard-target`` without the model.
+def check_shard_target(mode: str, tp_size: int | None = None, world_size: int | None = None) -> None:
+    """Check ``--shard-target`` and ``--tp-size`` without the model (and the world size once it is known).
 
     Raises:
-        ValueError: an unknown mode.
+        ValueError: an unknown mode, a ``--tp-size`` without ``tp`` or below 2, or a sharded mode outside torchrun.
     """
     if mode not in SHARD_MODES:
         raise ValueError(f"--shard-target {mode!r} is unknown; choose one of {', '.join(SHARD_MODES)}")
+    if tp_size is not None and mode != "tp":
+        raise ValueError(f"--tp-size is for --shard-target tp (this run has --shard-target {mode})")
+    if tp_size is not None and tp_size < 2:
+        raise ValueError(f"--tp-size must be >= 2, got {tp_size}; a target on one rank is --shard-target replicate")
+    if world_size == 1 and mode != "replicate":
+        raise ValueError(
+            f"--shard-target {mode} runs under torchrun (it shards the target over the ranks); "
+            "launch with torchrun --nproc-per-node N, or use --shard-target replicate"
+        )
 
 
-def load_target(model_path: str, model_dtype: str, device: torch.device, mode: str = "replicate") -> LoadedTarget:
+def check_tp_plan(model_config: Any, tp_size: int) -> None:
+    """Check, before loading, that transformers can split ``model_config``'s architecture over ``tp_size`` ranks.
+
+    Raises:
+        ValueError: the architecture has no tensor-parallel plan, or its heads do not split into ``tp_size`` parts.
+    """
+    try:
+        from transformers.distributed import DistributedConfig  # noqa: F401
+    except ImportError:
+        import transformers
+
+        raise ValueError(
+            f"--shard-target tp needs transformers' native tensor parallelism (transformers.distributed."
+            f"DistributedConfig), which transformers {transformers.__version__} lacks: upgrade transformers, "
+            "or use --shard-target fsdp"
+        ) from None
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    if not getattr(text, "base_model_tp_plan", None):
+        raise ValueError(
+            f"--shard-target tp: transformers has no tensor-parallel plan for the {model_config.model_type!r} "
+            "architecture; shard it with --shard-target fsdp instead"
+        )
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(text, name, None)
+        if isinstance(heads, int) and heads % tp_size:
+            raise ValueError(
+                f"--tp-size {tp_size} must divide the model's {name} ({heads}): each rank takes whole heads. "
+                "Choose a divisor, or --shard-target fsdp"
+            )
+
+
+def load_target(
+    model_path: str,
+    model_dtype: str,
+    device: torch.device,
+    mode: str = "replicate",
+    groups: DataParallelGroups | None = None,
+) -> LoadedTarget:
     """Load the target for inference.
 
     Args:
@@ -74,6 +136,7 @@ def load_target(model_path: str, model_dtype: str, device: torch.device, mode: s
         model_dtype: ``auto`` (the checkpoint's) or a key of :data:`DTYPES`.
         device: the device to compute on.
         mode: one of :data:`SHARD_MODES`.
+        groups: for ``tp``: the tensor-parallel groups the ranks form (default: one group of all ranks).
 
     Raises:
         ValueError: the checkpoint cannot be sharded this way (the message names the fix).
@@ -81,6 +144,8 @@ def load_target(model_path: str, model_dtype: str, device: torch.device, mode: s
     dtype: Any = "auto" if model_dtype == "auto" else DTYPES[model_dtype]
     if mode == "fsdp":
         return _load_fsdp(model_path, dtype, device)
+    if mode == "tp":
+        return _load_tp(model_path, dtype, device, groups)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval().requires_grad_(False)
@@ -116,20 +181,35 @@ class Checkpoint:
                 self.files = dict.fromkeys(f.keys(), "model.safetensors")
         else:
             raise ValueError(
-                f"--model {model_dir}: --shard-target fsdp reads the weights from safetensors files "
+                f"--model {model_dir}: a sharded target reads the weights from safetensors files "
                 "(model.safetensors or model.safetensors.index.json) in a local directory, and found none. "
                 "Convert the checkpoint with save_pretrained(safe_serialization=True), or use --shard-target replicate."
             )
 
-    def key_for(self, name: str, prefix: str) -> str:
-        """The checkpoint key of the model's parameter ``name`` (with or without the base-model prefix)."""
+    def find(self, name: str, prefix: str) -> str | None:
+        """The checkpoint key of the model's parameter ``name`` (with or without the base-model prefix), if any."""
         for key in (name, name.removeprefix(prefix + "."), f"{prefix}.{name}"):
             if key in self.files:
                 return key
-        raise ValueError(
-            f"--model {self.model_dir}: the checkpoint has no tensor for parameter {name!r} (transformers renames "
-            "some checkpoints' tensors while loading, which --shard-target fsdp does not): use --shard-target "
-            "replicate for this model."
+        return None
+
+    def key_for(self, name: str, prefix: str) -> str:
+        """Like :meth:`find`, for a tensor that must be there.
+
+        Raises:
+            ValueError: the checkpoint has no such tensor.
+        """
+        key = self.find(name, prefix)
+        if key is None:
+            raise self.missing(name)
+        return key
+
+    def missing(self, name: str) -> ValueError:
+        """The error for parameter ``name``, which the checkpoint cannot provide."""
+        return ValueError(
+            f"--model {self.model_dir}: the checkpoint has no tensor for parameter {name!r}, and transformers "
+            "has no conversion that builds it from the checkpoint's tensors: use --shard-target replicate "
+            "for this model."
         )
 
     @contextmanager
@@ -186,9 +266,7 @@ def _meta_model(model_path: str, dtype: Any, checkpoint: Checkpoint) -> nn.Modul
 def _load_fsdp(model_path: str, dtype: Any, device: torch.device) -> LoadedTarget:
     checkpoint = Checkpoint(model_path)
     model = _meta_model(model_path, dtype, checkpoint)
-    prefix = getattr(model, "base_model_prefix", "model")
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    names = _parameter_keys(model, checkpoint, prefix, tied)
+    readers = _parameter_readers(model, checkpoint)
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     head = model.get_output_embeddings()
     # The embedding is a unit of its own: gathered only around its lookup, not for the whole decoder forward.
@@ -201,25 +279,152 @@ def _load_fsdp(model_path: str, dtype: Any, device: torch.device) -> LoadedTarge
             if local.numel() == 0:
                 continue  # more ranks than rows: this rank holds none of it
             rows = slice(offset, offset + local.shape[0]) if local.dim() else None
-            local.copy_(checkpoint.read(names[name], rows))
+            local.copy_(readers[name](rows))
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
 
+    return _from_checkpoint(model, readers)
+
+
+Reader = Callable[[slice | None], torch.Tensor]
+"""Reads a parameter from the checkpoint: its rows ``rows`` along dim 0, or all of it for ``None``."""
+
+
+def _from_checkpoint(model: nn.Module, readers: dict[str, Reader]) -> LoadedTarget:
+    """``model`` with embedding readers that read the full matrices from the checkpoint."""
+
     def full(module: nn.Module) -> torch.Tensor:
         param_name = next(n for n, p in model.named_parameters() if p is module.weight)
-        return checkpoint.read(names[param_name]).to(module.weight.dtype)
+        return readers[param_name](None).to(module.weight.dtype)
 
     return LoadedTarget(model, lambda: full(model.get_input_embeddings()), lambda: full(model.get_output_embeddings()))
 
 
-def _parameter_keys(model: nn.Module, checkpoint: Checkpoint, prefix: str, tied: bool) -> dict[str, str]:
-    keys: dict[str, str] = {}
+def _parameter_readers(
+    model: nn.Module, checkpoint: Checkpoint, only: Iterable[str] | None = None
+) -> dict[str, Reader]:
+    """A reader for each of ``model``'s parameters (``only``: for these alone), found before anything is read.
+
+    A parameter is a checkpoint tensor of the same name, the embedding's for a tied head, or built by one of
+    transformers' weight conversions (the fused experts of an MoE layer from one tensor per expert).
+
+    Raises:
+        ValueError: a parameter is none of these (the message names it).
+    """
+    prefix = getattr(model, "base_model_prefix", "model")
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
     head = model.get_output_embeddings()
     head_name = next((n for n, p in model.named_parameters() if head is not None and p is head.weight), None)
     embed_name = next(n for n, p in model.named_parameters() if p is model.get_input_embeddings().weight)
-    for name, _ in model.named_parameters():
-        if tied and name == head_name:
-            keys[name] = keys.get(embed_name) or checkpoint.key_for(embed_name, prefix)
-        else:
-            keys[name] = checkpoint.key_for(name, prefix)
-    return keys
+    converters = _weight_converters(model)
+    wanted = set(only) if only is not None else None
+    readers: dict[str, Reader] = {}
+    for name, param in model.named_parameters():
+        if wanted is not None and name not in wanted:
+            continue
+        key = checkpoint.find(embed_name if tied and name == head_name else name, prefix)
+        if key is not None:
+            readers[name] = functools.partial(checkpoint.read, key)
+            continue
+        converter = next((c for c in converters if name.endswith("." + c.target_patterns[0])), None)
+        if converter is None:
+            raise checkpoint.missing(name)
+        readers[name] = _ConvertedReader(checkpoint, converter, name, prefix, int(param.shape[0]), model.config)
+    return readers
+
+
+def _weight_converters(model: nn.Module) -> list[Any]:
+    """transformers' conversions of checkpoint tensors into ``model``'s parameters (one target each)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+    except ImportError:  # a transformers that loads checkpoints as they are
+        return []
+    return [
+        c
+        for c in get_model_conversion_mapping(model)
+        if isinstance(c, WeightConverter) and len(c.target_patterns) == 1 and c.scope_prefix is None
+    ]
+
+
+class _ConvertedReader:
+    """Builds a parameter with transformers' conversion ``converter`` from the checkpoint's source tensors.
+
+    A conversion whose first step stacks one tensor per expert along dim 0 (``MergeModulelist(dim=0)``, how
+    transformers fuses MoE experts) reads only the experts in ``rows``: FSDP2 shards the fused parameter along
+    the experts, so a rank reads its own experts alone. Any other conversion reads its sources whole, then slices.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, converter: Any, name: str, prefix: str, length: int, config: Any):
+        from transformers.core_model_loading import MergeModulelist
+
+        self.checkpoint, self.converter, self.name, self.config = checkpoint, converter, name, config
+        self.layer = name[: -len(converter.target_patterns[0])]
+        first = converter.operations[0]
+        self.per_expert = isinstance(first, MergeModulelist) and first.dim == 0
+        if not self.per_expert and any("*" in source for source in converter.source_patterns):
+            raise checkpoint.missing(name)  # a list of tensors that is not one per row: not followed
+        # every source key, found now: a checkpoint that lacks one fails before any weight is read
+        self.keys = {
+            source: [
+                checkpoint.key_for(self.layer + source.replace("*", str(e)), prefix)
+                for e in range(length if self.per_expert else 1)
+            ]
+            for source in converter.source_patterns
+        }
+
+    def __call__(self, rows: slice | None) -> torch.Tensor:
+        pick = rows if self.per_expert and rows is not None else slice(None)
+        tensors: dict[str, Any] = {
+            source: [self.checkpoint.read(key) for key in keys[pick]] for source, keys in self.keys.items()
+        }
+        for op in self.converter.operations:
+            tensors = op.convert(
+                tensors,
+                source_patterns=list(self.converter.source_patterns),
+                target_patterns=list(self.converter.target_patterns),
+                full_layer_name=self.name,
+                config=self.config,
+            )
+        out = tensors[self.converter.target_patterns[0]]
+        return out if self.per_expert or rows is None else out[rows]
+
+
+# ---------------------------------------------------------------------------
+# tp
+
+
+def _load_tp(model_path: str, dtype: Any, device: torch.device, groups: DataParallelGroups | None) -> LoadedTarget:
+    from transformers import AutoConfig
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.utils import TransformersDeviceMesh
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    checkpoint = Checkpoint(model_path)  # before loading: a directory without safetensors fails at once
+    if groups is None:  # one group of every rank
+        world = TorchComm(device)
+        groups = data_parallel_groups(world, world.world_size)
+    tp_size = groups.size
+    # transformers lays its mesh over the whole world; data-parallel groups of tp_size ranks need it over this
+    # rank's group only, so the model class is handed the group's slice of a (group, ...) mesh.
+    dense = group_mesh(device, groups.count, {"pp": 1, "dp_replicate": 1, "fsdp": 1, "tp": tp_size})
+    expert = group_mesh(device, groups.count, {"pp": 1, "dp_replicate": 1, "efsdp": tp_size, "ep": 1})
+    meshes = TransformersDeviceMesh(dense, expert)
+    config = AutoConfig.from_pretrained(model_path)
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(
+            f"--model {model_path}: --shard-target tp loads transformers' own causal-LM classes, and the "
+            f"{config.model_type!r} architecture has none; use --shard-target fsdp"
+        )
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+    def prepare(_: type, config: Any, device_map: Any = None) -> tuple[Any, torch.device, Any]:
+        return config, device, meshes
+
+    grouped = type(cls.__name__, (cls,), {"prepare_distribute_model": classmethod(prepare)})
+    model = grouped.from_pretrained(model_path, dtype=dtype, distributed_config=DistributedConfig(tp_size=tp_size))
+    model = model.eval().requires_grad_(False)
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    params = [n for n, p in model.named_parameters() if p is embedding or (head is not None and p is head.weight)]
+    return _from_checkpoint(model, _parameter_readers(model, checkpoint, params))
