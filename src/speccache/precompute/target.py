@@ -411,6 +411,7 @@ def _load_tp(model_path: str, dtype: Any, device: torch.device, groups: DataPara
     expert = group_mesh(device, groups.count, {"pp": 1, "dp_replicate": 1, "efsdp": tp_size, "ep": 1})
     meshes = TransformersDeviceMesh(dense, expert)
     config = AutoConfig.from_pretrained(model_path)
+    check_tp_plan(config, tp_size)
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(
             f"--model {model_path}: --shard-target tp loads transformers' own causal-LM classes, and the "
