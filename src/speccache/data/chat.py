@@ -27,6 +27,7 @@ first three are errors unless ``skip_bad_rows``; the last two are always skipped
 
 from __future__ import annotations
 
+import collections
 import gzip
 import heapq
 import io
@@ -656,6 +657,7 @@ class _Encoder:
     def __init__(self, tokenizer: Any, fmt: ChatFormat | None, num_proc: int) -> None:
         self.tokenizer, self.fmt, self.num_proc = tokenizer, fmt, num_proc
         self.pool: Any = None
+        self.in_flight: collections.deque[Any] = collections.deque()
 
     def __enter__(self) -> _Encoder:
         _init_worker(self.tokenizer, self.fmt)
@@ -670,7 +672,12 @@ class _Encoder:
 
     def __exit__(self, *exc: object) -> None:
         if self.pool is not None:
-            self.pool.terminate()
+            # Never Pool.terminate(): a worker killed while it writes a result holds the result queue's lock,
+            # and the pool's own shutdown then waits on that lock forever. The few tasks still in flight (a
+            # --limit reached, an error) finish instead; then the workers exit on their own.
+            for task in self.in_flight:
+                task.wait()
+            self.pool.close()
             self.pool.join()
 
     def encode(self, rows: Iterator[tuple[int, str, Any]]) -> Iterator[_Encoded]:
@@ -678,9 +685,13 @@ class _Encoder:
             for row in rows:
                 yield from _encode_rows([row])
             return
-        tasks = iter(lambda: list(itertools.islice(rows, _ROWS_PER_TASK)), [])
-        for done in self.pool.imap(_encode_rows, tasks):
-            yield from done
+        # In order, with at most two tasks per worker in flight: rows are read only as fast as they are encoded.
+        for task in iter(lambda: list(itertools.islice(rows, _ROWS_PER_TASK)), []):
+            self.in_flight.append(self.pool.apply_async(_encode_rows, (task,)))
+            if len(self.in_flight) >= 2 * self.num_proc:
+                yield from self.in_flight.popleft().get()
+        while self.in_flight:
+            yield from self.in_flight.popleft().get()
 
 
 def file_content_hash(path: str, split: str | None = None) -> str:
