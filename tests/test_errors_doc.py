@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import GPT2Config, LlamaConfig
 
 import speccache.errors as errors_module
 from speccache.format import MANIFEST_NAME, KeySpec, ShardFile, shard_path, write_safetensors
@@ -41,13 +42,13 @@ from speccache.offline_cache import (
     write_tensor_shard,
 )
 from speccache.precompute.audit import audit_cache
-from speccache.precompute.target import Checkpoint, check_shard_target
+from speccache.precompute.target import Checkpoint, check_shard_target, check_tp_plan
 from speccache.read import CacheDataset
 from speccache.read.sampler import LocalityShuffleSampler
 from speccache.read.verify import VerifyReport, inspect_cache, verify_cache
 from speccache.read.view import make_merge_view, parse_where
 from speccache.testing.synthetic import write_synthetic_cache
-from speccache.write import NativeShardWriter, OverlappedShardWriter
+from speccache.write import LocalComm, NativeShardWriter, OverlappedShardWriter, data_parallel_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "errors.md"
@@ -303,6 +304,12 @@ T = Callable[[Env], Any]
 TRIGGERS: dict[str, T] = {
     # --shard-target / --tp-size
     "--shard-target": lambda e: check_shard_target("zero"),
+    "runs under torchrun (it shards the target over the ranks)": lambda e: check_shard_target("tp", None, 1),
+    "--tp-size is for --shard-target tp": lambda e: check_shard_target("fsdp", 2),
+    "--tp-size must be >= 2": lambda e: check_shard_target("tp", 1),
+    "must divide the number of ranks": lambda e: data_parallel_groups(LocalComm(), 3),
+    "must divide the model's": lambda e: check_tp_plan(LlamaConfig(num_attention_heads=8, num_key_value_heads=2), 4),
+    "has no tensor-parallel plan for the": lambda e: check_tp_plan(GPT2Config(), 2),
     "reads the weights from safetensors files": lambda e: Checkpoint(str(e.tmp)),
     # writing and resuming
     "already holds a cache": lambda e: write_synthetic_cache(e.cache(), **ARGS),
