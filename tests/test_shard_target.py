@@ -121,10 +121,12 @@ def test_fsdp_cache_equals_one_process_cache(model_dir, reference, tmp_path, npr
 
 
 @pytest.mark.timeout(600)
-def test_killed_fsdp_run_resumes_in_one_replicated_process(model_dir, reference, tmp_path) -> None:
+@pytest.mark.parametrize("mode", ["fsdp", "tp"])
+def test_killed_sharded_run_resumes_in_one_replicated_process(model_dir, reference, tmp_path, mode) -> None:
     out = tmp_path / "cache"
-    # Rank 0's second safetensors write (the side file, then shard 0) is killed half-way; rank 1 then fails.
-    code = _precompute(model_dir, out, "fp32", 2, "--shard-target", "fsdp", SPECCACHE_FAULT="mid_shard_write:2")
+    # The writing rank's second safetensors write (the side file, then shard 0) is killed half-way; the others
+    # then fail.
+    code = _precompute(model_dir, out, "fp32", 2, "--shard-target", mode, SPECCACHE_FAULT="mid_shard_write:2")
     assert code != 0
     assert not json.loads((out / "manifest.json").read_text())["complete"]
     _precompute(model_dir, out, "fp32", 1, "--resume")
@@ -249,18 +251,6 @@ def test_tp_group_without_shards_finishes(model_dir, tp_cache, tmp_path) -> None
     for key in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"):
         assert torch.equal(got[key], want[key]), key
     assert verify_cache(str(out)).ok
-
-
-@pytest.mark.timeout(600)
-def test_killed_tp_run_resumes_in_one_replicated_process(model_dir, reference, tmp_path) -> None:
-    out = tmp_path / "cache"
-    # The writing rank's second safetensors write (shard 0, after the side file) is killed half-way.
-    code = _precompute(model_dir, out, "fp32", 2, "--shard-target", "tp", SPECCACHE_FAULT="mid_shard_write:2")
-    assert code != 0
-    assert not json.loads((out / "manifest.json").read_text())["complete"]
-    _precompute(model_dir, out, "fp32", 1, "--resume")
-    assert verify_cache(str(out)).ok
-    _assert_same_cache(out, reference["fp32"])
 
 
 @pytest.mark.timeout(300)
