@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -251,6 +252,21 @@ def test_tp_group_without_shards_finishes(model_dir, tp_cache, tmp_path) -> None
     for key in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"):
         assert torch.equal(got[key], want[key]), key
     assert verify_cache(str(out)).ok
+
+
+@pytest.mark.timeout(300)
+def test_writer_refusal_fails_every_rank_of_its_group(model_dir, tp_cache, tmp_path) -> None:
+    # Only a group's first rank checks the directory; the other rank must fail with the same error, not wait.
+    out = tmp_path / "existing"
+    shutil.copytree(tp_cache, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "speccache"]
+    cmd += ["precompute", "--model", model_dir, "--data", demo_data_path("sharegpt"), "--out", str(out), *ARGS]
+    cmd += ["--dtype", "fp32", "--shard-target", "tp", "--timeout", "60"]
+    proc = subprocess.run(cmd, env=_env(), timeout=240, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert proc.stderr.count("already holds a cache") == 2, proc.stderr[-3000:]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 @pytest.mark.timeout(300)
