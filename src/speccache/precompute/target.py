@@ -40,6 +40,8 @@ from speccache.write.dist import (
     fully_shard_units,
     group_mesh,
     local_rows,
+    not_under_torchrun,
+    require_group,
 )
 
 __all__ = ["SHARD_MODES", "LoadedTarget", "load_target", "target_device", "check_shard_target", "check_tp_plan"]
@@ -85,10 +87,7 @@ def check_shard_target(mode: str, tp_size: int | None = None, world_size: int | 
     if tp_size is not None and tp_size < 2:
         raise ValueError(f"--tp-size must be >= 2, got {tp_size}; a target on one rank is --shard-target replicate")
     if world_size == 1 and mode != "replicate":
-        raise ValueError(
-            f"--shard-target {mode} runs under torchrun (it shards the target over the ranks); "
-            "launch with torchrun --nproc-per-node N, or use --shard-target replicate"
-        )
+        raise not_under_torchrun(mode)
 
 
 def check_tp_plan(model_config: Any, tp_size: int) -> None:
@@ -402,6 +401,7 @@ def _load_tp(model_path: str, dtype: Any, device: torch.device, groups: DataPara
 
     checkpoint = Checkpoint(model_path)  # before loading: a directory without safetensors fails at once
     if groups is None:  # one group of every rank
+        require_group("tp")
         world = TorchComm(device)
         groups = data_parallel_groups(world, world.world_size)
     tp_size = groups.size

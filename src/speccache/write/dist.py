@@ -35,6 +35,8 @@ __all__ = [
     "agree",
     "data_parallel_groups",
     "group_mesh",
+    "not_under_torchrun",
+    "require_group",
     "launched_distributed",
     "init_from_env",
     "shutdown",
@@ -325,6 +327,26 @@ def init_from_env(device: torch.device, timeout_s: float) -> Comm:
     return TorchComm(device, timeout_s=timeout_s, owns_group=True)
 
 
+def not_under_torchrun(mode: str) -> ValueError:
+    """The error for ``--shard-target mode`` in a process that is not one rank of a torchrun world."""
+    return ValueError(
+        f"--shard-target {mode} runs under torchrun (it shards the target over the ranks); "
+        "launch with torchrun --nproc-per-node N, or use --shard-target replicate"
+    )
+
+
+def require_group(mode: str) -> None:
+    """Check that a process group is initialised, as a sharded target needs.
+
+    Raises:
+        ValueError: no process group (not launched by ``torchrun``).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise not_under_torchrun(mode)
+
+
 def fully_shard_units(units: list[torch.nn.Module], device: torch.device) -> None:
     """Wrap each module of ``units`` with FSDP2 over all ranks, innermost first (the last is the root).
 
@@ -334,8 +356,7 @@ def fully_shard_units(units: list[torch.nn.Module], device: torch.device) -> Non
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    if not dist.is_initialized():
-        raise ValueError("--shard-target fsdp runs under torchrun (it shards the target over the ranks)")
+    require_group("fsdp")
     mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
     for unit in units:
         fully_shard(unit, mesh=mesh)
