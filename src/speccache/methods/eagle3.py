@@ -317,14 +317,8 @@ class Eagle3Target:
             rows[name] = value.sum(1) / predicts.sum(1).clamp_min(1)
         for name, value in feats.items():
             rows[name] = value[real].to(self.dtype) if value.is_floating_point() else value[real]
-        ids, source = batch.get("sample_index"), batch.get("source_row")
-        guard_nonfinite(
-            rows,
-            self.nonfinite,
-            self.layer_of,
-            sample_ids=None if ids is None else ids.tolist(),
-            source_rows=None if source is None else source.tolist(),
-        )
+        source = batch.get("source_row")
+        guard_nonfinite(rows, self.nonfinite, self.layer_of, batch.get("sample_index"), source)
         # after the guard, so that a cleared sample counts no supervised token
         owner = torch.repeat_interleave(torch.arange(real.shape[0], device=self.device), rows[LENGTHS_KEY])
         supervised = torch.zeros(real.shape[0], dtype=torch.int64, device=self.device)

@@ -87,8 +87,8 @@ def guard_nonfinite(
     rows: dict[str, torch.Tensor],
     mode: str,
     layer_of: LayerOf,
-    sample_ids: Sequence[int] | None = None,
-    source_rows: Sequence[int] | None = None,
+    sample_ids: Sequence[int] | torch.Tensor | None = None,
+    source_rows: Sequence[int] | torch.Tensor | None = None,
 ) -> int:
     """Check every float key of a computed batch; fail or clear the samples that are not finite.
 
@@ -96,8 +96,8 @@ def guard_nonfinite(
         rows: ragged rows of one batch with ``__lengths__`` (on the compute device); edited in place on ``skip``.
         mode: ``fail`` or ``skip``.
         layer_of: names where a key's column comes from, for the message.
-        sample_ids: the batch's sample indices in the cache (for the message).
-        source_rows: the batch's rows in the data file (for the message).
+        sample_ids: the batch's sample indices in the cache (for the message; a batch's ``sample_index``).
+        source_rows: the batch's rows in the data file (for the message; a batch's ``source_row``).
 
     Returns:
         The number of samples cleared (always 0 with ``fail``).
@@ -119,8 +119,8 @@ def guard_nonfinite(
     found = _first_nonfinite(rows, offsets, keys)
     if mode == "fail":
         sample, (key, position, column) = min(found.items())
-        where = f"sample {sample_ids[sample]}" if sample_ids is not None else f"batch item {sample}"
-        row = f" (data row {source_rows[sample]})" if source_rows is not None else ""
+        where = f"sample {int(sample_ids[sample])}" if sample_ids is not None else f"batch item {sample}"
+        row = f" (data row {int(source_rows[sample])})" if source_rows is not None else ""
         raise NonFiniteFeatureError(
             f"{where}{row}: {key} is not finite (NaN or Inf) at token {position}, column {column}, from "
             f"{layer_of(key, column)}; {len(found)} sample(s) of this batch are affected. Check the target's dtype "

@@ -277,14 +277,8 @@ class LayersTarget:
             LENGTHS_KEY: real.sum(1).to(torch.int64),
         }
         rows.update((name, value[real].to(self.dtype)) for name, value in feats.items())
-        ids, source = batch.get("sample_index"), batch.get("source_row")
-        guard_nonfinite(
-            rows,
-            self.nonfinite,
-            self.layer_of,
-            sample_ids=None if ids is None else ids.tolist(),
-            source_rows=None if source is None else source.tolist(),
-        )
+        source = batch.get("source_row")
+        guard_nonfinite(rows, self.nonfinite, self.layer_of, batch.get("sample_index"), source)
         out = {"input_ids": batch["input_ids"][batch["attention_mask"].bool()].to(torch.int32)}
         out.update((name, value.cpu()) for name, value in rows.items())
         out[SOURCE_ROW_KEY] = source if source is not None else torch.full((real.shape[0],), -1, dtype=torch.int64)
