@@ -39,3 +39,28 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str
         return built[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def precompute_runs(tiny_models, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Callable[[str], str]]:
+    """``make(table, data, limit, max_length)``: a getter ``get(name)`` that runs ``speccache precompute`` once for
+    each named run of ``table`` (``{name: (architecture, extra CLI args)}``, fp32 target) and returns its cache."""
+    from speccache.cli import main
+
+    def make(table: dict[str, tuple[str, list[str]]], data: str, limit: int, max_length: int) -> Callable[[str], str]:
+        base = tmp_path_factory.mktemp("caches")
+        done: dict[str, str] = {}
+
+        def get(name: str) -> str:
+            if name not in done:
+                arch, extra = table[name]
+                out = str(base / name)
+                argv = ["precompute", "--model", tiny_models(arch), "--data", data, "--out", out, "--limit", str(limit),
+                        "--max-length", str(max_length), "--model-dtype", "fp32", "--quiet", *extra]  # fmt: skip
+                assert main(argv) == 0
+                done[name] = out
+            return done[name]
+
+        return get
+
+    return make

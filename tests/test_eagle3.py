@@ -15,7 +15,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from speccache.cli import main
 from speccache.data import load_samples
 from speccache.demo import demo_data_path
 from speccache.errors import CacheFormatError
@@ -81,21 +80,8 @@ def model_dirs(tiny_models):
 
 
 @pytest.fixture(scope="module")
-def runs(model_dirs, tmp_path_factory):
-    base = tmp_path_factory.mktemp("caches")
-    done: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in done:
-            arch, extra = RUNS[name]
-            out = str(base / name)
-            argv = ["precompute", "--model", model_dirs(arch), "--data", DATA, "--out", out, "--limit", str(LIMIT),
-                    "--max-length", str(MAX_LENGTH), "--model-dtype", "fp32", "--quiet", *extra]  # fmt: skip
-            assert main(argv) == 0
-            done[name] = out
-        return done[name]
-
-    return get
+def runs(precompute_runs):
+    return precompute_runs(RUNS, DATA, LIMIT, MAX_LENGTH)
 
 
 class Live:
