@@ -553,3 +553,53 @@ def test_local_comm_without_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
     comm = init_from_env(torch.device("cpu"), 1.0)
     assert (comm.rank, comm.world_size) == (0, 1)
     shutdown(comm)  # no-op
+
+
+_LEAVE_GROUP = """
+import os, sys, torch
+from speccache.write.dist import init_from_env, shutdown
+comm = init_from_env(torch.device("cpu"), 60.0)
+from transformers import AutoConfig  # after joining, as in a precompute: it imports torch.distributed.nn
+AutoConfig.from_pretrained(sys.argv[1])
+shutdown(comm)
+threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+left = [t for t in threads if "gloo" in t]
+assert not left, f"the group outlived shutdown(): {left}"
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the thread names from /proc")
+def test_shutdown_frees_the_group_and_its_gloo_threads(tmp_path: Path) -> None:
+    # A group still referenced after destroy_process_group keeps its Gloo threads until the interpreter's
+    # teardown, which now and then aborts a rank that finished its work.
+    from transformers import LlamaConfig
+
+    LlamaConfig(num_hidden_layers=1).save_pretrained(tmp_path / "model")
+    (tmp_path / "leave.py").write_text(_LEAVE_GROUP)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    done = subprocess.run(
+        [*launcher, str(tmp_path / "leave.py"), str(tmp_path / "model")],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_cli_ends_a_process_that_left_its_group_with_the_exit_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    import speccache.write.dist as dist_module
+
+    ended: list[int] = []
+
+    def fake_exit(code: int) -> None:
+        ended.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(dist_module.os, "_exit", fake_exit)
+    assert cli_main(["inspect", "/nonexistent/cache"]) == 1  # no group left: an ordinary return
+    assert ended == []
+    monkeypatch.setattr(dist_module, "_left_group", True)
+    with pytest.raises(SystemExit):
+        cli_main(["inspect", "/nonexistent/cache"])
+    assert ended == [1]

@@ -234,13 +234,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
     except (SpeccacheError, FileNotFoundError, FileExistsError, NotADirectoryError) as exc:
         print(f"speccache {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        code = 1
     except ValueError as exc:
         print(f"speccache {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        code = 2
+    # Only a command that imported the process-group module can have left a group (and the module imports torch).
+    dist = sys.modules.get("speccache.write.dist")
+    return code if dist is None else dist.exit_after_group(code)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import logging
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -40,6 +42,7 @@ __all__ = [
     "launched_distributed",
     "init_from_env",
     "shutdown",
+    "exit_after_group",
     "fully_shard_units",
     "local_rows",
 ]
@@ -311,6 +314,12 @@ def init_from_env(device: torch.device, timeout_s: float) -> Comm:
 
     if dist.is_initialized():
         return TorchComm(device, timeout_s=timeout_s)
+    # torch.distributed.nn binds the default group as default arguments when it is first imported (transformers
+    # imports it when it loads a config). Imported after init_process_group, it would keep the group alive past
+    # shutdown(), and the group's Gloo threads would be torn down with the interpreter, which now and then
+    # aborts the process at exit ("terminate called without an active exception").
+    import torch.distributed.nn
+
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -373,11 +382,33 @@ def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
     return param.to_local(), int(offset[0]) if offset else 0
 
 
+_left_group = False  # this process destroyed a group that init_from_env created: see exit_after_group
+
+
 def shutdown(comm: Comm) -> None:
     """Leave the process group :func:`init_from_env` joined (no-op for :class:`LocalComm` or a caller's group)."""
+    global _left_group
     if isinstance(comm, TorchComm) and comm.owns_group:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+            _left_group = True
         comm.owns_group = False
+
+
+def exit_after_group(code: int) -> int:
+    """Return ``code``; but in a process that :func:`shutdown` took out of its group, end the process now.
+
+    torch and transformers keep references to process groups past ``destroy_process_group`` (DTensor's
+    sharding caches hold the device meshes of a sharded target, and the meshes their groups). Such a
+    group's Gloo threads are then torn down with the interpreter, which now and then aborts a process that
+    completed its work (SIGABRT, "terminate called without an active exception"). A command that ran under
+    ``torchrun`` has flushed and synced everything it wrote by then, so it skips that teardown.
+    """
+    if _left_group:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
