@@ -63,15 +63,13 @@ def _weights_mb(model: object) -> float:
 def worker(model_dir: str, mode: str) -> None:
     """One rank: fixed overhead, then load + one forward; rank 0 prints every rank's figures as JSON."""
     import torch
-    import torch.distributed as dist
     import transformers  # noqa: F401 - part of the fixed overhead, as in a real run
 
     from speccache.precompute.target import load_target
-    from speccache.write.dist import TorchComm
+    from speccache.write.dist import init_from_env, shutdown
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    comm = TorchComm()
+    comm = init_from_env(torch.device("cpu"), 600.0)
     base = _peak_mb()
     loaded = load_target(model_dir, "auto", torch.device("cpu"), mode)
     ids = torch.arange(128).reshape(2, 64) % SHAPE["vocab_size"]
@@ -81,10 +79,7 @@ def worker(model_dir: str, mode: str) -> None:
     rows = comm.all_gather(row)
     if comm.rank == 0:
         print("RESULT " + json.dumps({"mode": mode, "world": comm.world_size, "ranks": rows}), flush=True)
-    # Every rank past its last collective before any tears Gloo down: a rank destroying the group while a peer
-    # still finishes the all_gather can abort ("terminate called without an active exception").
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown(comm)
 
 
 def model_figures(model_dir: str) -> dict[str, float]:
@@ -130,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
+        from speccache.write.dist import exit_after_group
+
         worker(args.model_dir, args.worker)
-        return 0
+        return exit_after_group(0)  # as the CLI: the sharded target's groups outlive shutdown (docs/distributed.md)
     rows = run(args.model_dir, args.tiny_dir, args.world, args.modes)
     for row in rows:
         print(json.dumps(row))
