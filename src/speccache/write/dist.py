@@ -400,8 +400,8 @@ def shutdown(comm: Comm) -> None:
 def exit_after_group(code: int) -> int:
     """Return ``code``; but in a process that :func:`shutdown` took out of its group, end the process now.
 
-    torch and transformers keep references to process groups past ``destroy_process_group`` (DTensor's
-    sharding caches hold the device meshes of a sharded target, and the meshes their groups). Such a
+    torch keeps references to process groups past ``destroy_process_group`` (DTensor's sharding caches
+    hold the device meshes of a sharded target, and the meshes their groups). Such a
     group's Gloo threads are then torn down with the interpreter, which now and then aborts a process that
     completed its work (SIGABRT, "terminate called without an active exception"). A command that ran under
     ``torchrun`` has flushed and synced everything it wrote by then, so it skips that teardown.
