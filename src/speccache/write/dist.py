@@ -241,16 +241,16 @@ class DataParallelGroups:
         return agree(self.group, fn, leader_only=True)
 
 
-def data_parallel_groups(comm: Comm, size: int, flag: str = "--tp-size") -> DataParallelGroups:
-    """Split ``comm`` into groups of ``size`` consecutive ranks (collective: every rank calls it).
+def data_parallel_groups(comm: Comm, size: int) -> DataParallelGroups:
+    """Split ``comm`` into groups of ``size`` (``--tp-size``) consecutive ranks (collective: every rank calls it).
 
     Raises:
         ValueError: ``size`` does not divide the world size.
     """
     if size < 1 or comm.world_size % size:
         raise ValueError(
-            f"{flag} {size} must divide the number of ranks ({comm.world_size}): the ranks form "
-            f"world_size / {flag} data-parallel groups"
+            f"--tp-size {size} must divide the number of ranks ({comm.world_size}): the ranks form "
+            "world_size / --tp-size data-parallel groups"
         )
     if size == 1:
         return DataParallelGroups(1, comm.world_size, comm, LocalComm())
