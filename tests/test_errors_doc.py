@@ -27,11 +27,11 @@ import torch
 from transformers import GPT2Config, LlamaConfig
 
 import speccache.errors as errors_module
-from speccache.format import MANIFEST_NAME, KeySpec, ShardFile, shard_path, write_safetensors
+from speccache.format import MANIFEST_NAME, KeySpec, Manifest, ShardFile, shard_path, write_safetensors
 from speccache.format.encoding import get_encoding
 from speccache.format.lock import LOCK_NAME
 from speccache.format.shard import verify_tensor_checksums
-from speccache.format.view import View
+from speccache.format.view import View, source_record
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
 from speccache.methods.layers import LayerSelection, preset_selection
 from speccache.offline_cache import (
@@ -45,6 +45,7 @@ from speccache.precompute.audit import audit_cache
 from speccache.precompute.target import Checkpoint, check_shard_target, check_tp_plan
 from speccache.read import CacheDataset
 from speccache.read.sampler import LocalityShuffleSampler
+from speccache.read.source import open_source
 from speccache.read.verify import VerifyReport, inspect_cache, verify_cache
 from speccache.read.view import make_merge_view, parse_where
 from speccache.testing.synthetic import write_synthetic_cache
@@ -288,6 +289,19 @@ def _side_file(env: Env, content: bytes | None, mkdir: bool = False) -> VerifyRe
     return verify_cache(path)
 
 
+def _view_of_two_side_files(e: Env) -> str:
+    """A view (written directly: merge refuses it) of two caches whose manifests record different side files."""
+    sources = []
+    for name, digit in (("one", "1"), ("two", "2")):
+        path = str(shutil.copytree(e.pristine["raw"], e.tmp / name))
+        e.edit_manifest(path, lambda m, d=digit: m.update(side_files={"side.bin": {"bytes": 3, "xxh3_128": d * 32}}))
+        sources.append((path, Manifest.read(path)))
+    out = str(e.tmp / "v")
+    records = [source_record(out, path, m, range(m.num_shards), 1.0) for path, m in sources]
+    View(sources[0][1].cache_name, sources[0][1].schema, records, [(0, 0, 10), (1, 0, 10)]).write(out)
+    return open_source(out).side_file("side.bin")
+
+
 def _rewritten_under_a_reader(e: Env) -> Any:
     ds = CacheDataset(p := e.cache(), max_open_shards=1)
     e.edit_manifest(p, lambda m: m["config"].update(seed=99))  # another run's manifest, written in place
@@ -337,6 +351,8 @@ TRIGGERS: dict[str, T] = {
     "must give one positive weight per cache": lambda e: make_merge_view([e.cache()], str(e.tmp / "v"), [1, 2]),
     "one finite weight >= 0 per sample": lambda e: LocalityShuffleSampler(2, 1, weights=[1.0]),
     "not a readable view": lambda e: View.read(str(e.tmp)),
+    "selects samples of": lambda e: open_source(make_merge_view([e.cache()], str(e.tmp / "v")).path, "eagle3"),
+    "hold different side files": _view_of_two_side_files,
     "a view needs sealed caches":
         lambda e: make_merge_view([e.edit_manifest(e.cache(), lambda m: m.update(complete=False))], str(e.tmp / "v")),
     # layer methods
@@ -347,6 +363,7 @@ TRIGGERS: dict[str, T] = {
     "is not a layer preset": lambda e: preset_selection("medusa", 8, None, False, False),
     # reading
     "cache manifest not found at": lambda e: CacheDataset(str(e.tmp)),
+    "the cache records no side file": lambda e: open_source(e.cache()).side_file("eagle3_side.safetensors"),
     "cannot be read (": _manifest_a_directory,
     "'cache_name' must be a string": lambda e: CacheDataset(e.edit_manifest(e.cache(), lambda m: m.update(cache_name=3))),
     "the manifest's shard table records": lambda e: CacheDataset(

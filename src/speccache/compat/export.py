@@ -43,6 +43,7 @@ from speccache.data import SOURCE_ROW_KEY
 from speccache.errors import CacheExistsError, CacheFormatError
 from speccache.format import LENGTHS_KEY, Manifest, ShardFile, shard_path
 from speccache.methods import eagle3, layers
+from speccache.read.source import CacheSource, open_source
 from speccache.units import human_bytes
 from speccache.write import CacheWriter, SideFile
 
@@ -62,8 +63,8 @@ def _pad(samples: Sequence[dict[str, torch.Tensor]], key: str, length: int, dtyp
     return out
 
 
-def _side(cache_dir: str, name: str) -> dict[str, torch.Tensor]:
-    side = ShardFile(os.path.join(cache_dir, name))
+def _side(source: CacheSource, name: str) -> dict[str, torch.Tensor]:
+    side = ShardFile(source.side_file(name))
     return {k: side.tensor(k).clone() for k in side.keys()}
 
 
@@ -107,7 +108,7 @@ class _Eagle3Shard:
 class _Plan:
     """What an export reads and writes."""
 
-    dataset: Any  # the source reader: LayerFeatureDataset or Eagle3CacheDataset
+    dataset: Any  # the source reader: LayerFeatureDataset or Eagle3CacheDataset (a ViewDataset of them for a view)
     make: Callable[[list[dict[str, torch.Tensor]], int], dict[str, torch.Tensor]]  # samples -> one padded shard
     keys: tuple[str, ...]
     cache_name: str
@@ -119,18 +120,18 @@ class _Plan:
 
 def _plan(cache_dir: str, to: str, layer_ids: Sequence[int] | None) -> _Plan:
     """What an export reads and writes: the source dataset, the shard maker, the manifest and the side file."""
-    manifest = Manifest.read(cache_dir)
-    config = manifest.config
-    common = {"num_samples": manifest.num_samples, "shard_size": manifest.shard_size, "dtype": config["dtype"]}
+    source = open_source(cache_dir)  # a cache or a view: a view exports the samples it selects
+    config = source.config
+    common = {"num_samples": source.num_samples, "shard_size": source.shard_size, "dtype": config["dtype"]}
     if to == "nemo-dspark":
-        if manifest.cache_name != layers.CACHE_NAME:
+        if source.cache_name != layers.CACHE_NAME:
             raise CacheFormatError(
                 f"{cache_dir}: --to nemo-dspark reads a layers cache (--method dspark, dflash or layers), "
-                f"not a {manifest.cache_name!r} cache"
+                f"not a {source.cache_name!r} cache"
             )
         ds = layers.dspark_dataset(cache_dir, layer_ids)
         ids = list(ds.fields["target_hidden_states"])
-        weights = _side(cache_dir, layers.SIDE_FILE)
+        weights = _side(source, layers.SIDE_FILE)
         hidden = int(config["hidden_size"])
         nemo = {
             "target_model": config["model"],
@@ -152,23 +153,23 @@ def _plan(cache_dir: str, to: str, layer_ids: Sequence[int] | None) -> _Plan:
         }
         side = {"embed_tokens.weight": weights["embed_tokens"], "lm_head.weight": weights["lm_head"]}
         return _Plan(ds, _dspark_shard, DSPARK_KEYS, "DSpark", 1, nemo, "target_weights.safetensors", side)
-    if manifest.cache_name == eagle3.CACHE_NAME:
+    if source.cache_name == eagle3.CACHE_NAME:
         if config.get("supervision", "hidden") != "hidden":
             raise CacheFormatError(
                 f"{cache_dir}: --to nemo-eagle3 computes target_probs from last_hidden_state; this cache stores "
                 f"--supervision {config['supervision']}. Export a cache written with --supervision hidden"
             )
         ds = eagle3.Eagle3CacheDataset(cache_dir)
-        side_tensors = _side(cache_dir, eagle3.SIDE_FILE)
+        side_tensors = _side(source, eagle3.SIDE_FILE)
         rows, selected, aux = side_tensors["lm_head"], side_tensors["selected_token_ids"], config["aux_layers"]
-    elif manifest.cache_name == layers.CACHE_NAME:
+    elif source.cache_name == layers.CACHE_NAME:
         ds = layers.eagle3_dataset(cache_dir, layer_ids)
-        side_tensors = _side(cache_dir, layers.SIDE_FILE)
+        side_tensors = _side(source, layers.SIDE_FILE)
         rows = side_tensors["lm_head"]
         selected, aux = torch.arange(rows.shape[0]), list(ds.fields["aux_hidden_states"])
     else:
         raise CacheFormatError(
-            f"{cache_dir}: --to nemo-eagle3 reads an eagle3 or layers cache, not a {manifest.cache_name!r} one"
+            f"{cache_dir}: --to nemo-eagle3 reads an eagle3 or layers cache, not a {source.cache_name!r} one"
         )
     hidden = int(config["hidden_size"])
     nemo = {
@@ -206,7 +207,7 @@ def export_cache(
     """Export ``cache_dir`` to ``out`` in a NeMo AutoModel layout, one shard at a time.
 
     Args:
-        cache_dir: a sealed speccache cache (layers or EAGLE-3).
+        cache_dir: a sealed speccache cache (layers or EAGLE-3), or a view of such caches.
         out: the output directory (absent or empty).
         to: ``nemo-dspark`` or ``nemo-eagle3``.
         layer_ids: DSpark layer ids / EAGLE-3 aux layer ids to read from a layers cache (default: the method's).

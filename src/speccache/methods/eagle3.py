@@ -30,7 +30,6 @@ as SGLang uses it).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,10 +41,10 @@ from torch.utils.data import DataLoader, Sampler
 from speccache.data import SOURCE_ROW_KEY, source_row_spec
 from speccache.errors import CacheFormatError
 from speccache.format import LENGTHS_KEY, STAT_PREFIX, KeySpec, Schema, ShardFile
-from speccache.format.view import is_view
 from speccache.methods.decoder import decoder_layers, forward_capturing
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
-from speccache.read import CacheDataset, PadCollator, Sample, default_sampler
+from speccache.read import CacheDataset, PadCollator, Sample
+from speccache.read.source import open_source, reader_sampler
 from speccache.read.view import ViewDataset
 
 CACHE_NAME = "eagle3"
@@ -333,10 +332,6 @@ class Eagle3Target:
 # the trainer side
 
 
-def _side_path(cache_dir: str) -> str:
-    return os.path.join(cache_dir, SIDE_FILE)
-
-
 class Eagle3CacheDataset(CacheDataset):
     """An EAGLE-3 cache as a dataset of samples ready for a trainer.
 
@@ -352,7 +347,8 @@ class Eagle3CacheDataset(CacheDataset):
     ``topk_probs`` and ``topk_ids``.
 
     Args:
-        cache_dir: the cache directory.
+        cache_dir: the cache directory, or a view of EAGLE-3 caches (it opens as a
+            :class:`speccache.read.view.ViewDataset` of these readers, one per source).
         keys: stored keys to return (default: all), or ``target_probs`` for a ``topk`` cache.
         verify: check each shard's checksum when first opened.
         **kwargs: passed to :class:`speccache.read.CacheDataset`.
@@ -442,33 +438,18 @@ def build_eagle3_dataloader(
     Raises:
         RuntimeError: ``distributed`` without an initialised process group.
     """
-    options: dict[str, Any] = dict(verify=verify, max_open_shards=max_open_shards, allow_incomplete=allow_incomplete)
-    dataset: Eagle3CacheDataset | ViewDataset
-    weights: list[float] | None = None
-    if is_view(cache_dir):
-        dataset = ViewDataset(cache_dir, keys, dataset_cls=Eagle3CacheDataset, **options)
-        first, prefetch = dataset.sources[0], None
-        weights = dataset.sample_weights() if any(w != 1.0 for w in dataset.sample_weights()) else None
-    else:
-        dataset = first = Eagle3CacheDataset(cache_dir, keys, **options)
-        prefetch = dataset.prefetch
+    dataset: Eagle3CacheDataset | ViewDataset = Eagle3CacheDataset(
+        cache_dir, keys, verify=verify, max_open_shards=max_open_shards, allow_incomplete=allow_incomplete
+    )
     if sampler is None:
-        sampler = default_sampler(
-            dataset,
-            first.shard_size,
-            shuffle=shuffle,
-            distributed=distributed,
-            seed=seed,
-            prefetch=prefetch,
-            weights=weights,
-        )
+        sampler = reader_sampler(dataset, shuffle=shuffle, distributed=distributed, seed=seed)
     loader_kwargs.setdefault("pin_memory", torch.cuda.is_available())
     return DataLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
         num_workers=num_workers,
-        collate_fn=first.collator(),
+        collate_fn=dataset.collator(),
         **loader_kwargs,
     )
 
@@ -491,8 +472,12 @@ class TargetHead(nn.Module):
 
     @classmethod
     def from_cache(cls, cache_dir: str, device: torch.device | str | None = None) -> TargetHead:
-        """Build the head from a cache directory's side file."""
-        side = ShardFile(_side_path(cache_dir))
+        """Build the head from the side file of an EAGLE-3 cache, or of a view's sources (one target: one file).
+
+        Raises:
+            CacheFormatError: not an EAGLE-3 cache or view, or a view whose sources' side files differ.
+        """
+        side = ShardFile(open_source(cache_dir, CACHE_NAME).side_file(SIDE_FILE))
         head = cls(side.tensor("lm_head").clone(), side.tensor("selected_token_ids").clone())
         return head.to(device) if device is not None else head
 

@@ -45,11 +45,13 @@ from torch.utils.data import DataLoader, Sampler
 
 from speccache.data import SOURCE_ROW_KEY, source_row_spec
 from speccache.errors import CacheFormatError
-from speccache.format import LENGTHS_KEY, KeySpec, Manifest, Schema
+from speccache.format import LENGTHS_KEY, KeySpec, Schema
 from speccache.methods.decoder import decoder_layers, forward_capturing
 from speccache.methods.eagle3 import default_aux_layers
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
-from speccache.read import CacheDataset, PadCollator, Sample, default_sampler
+from speccache.read import CacheDataset, PadCollator, Sample
+from speccache.read.source import open_source, reader_sampler
+from speccache.read.view import ViewDataset
 
 CACHE_NAME = "layers"
 SIDE_FILE = "layers_side.safetensors"
@@ -298,7 +300,8 @@ class LayerFeatureDataset(CacheDataset):
     """Samples of a method's fields, each the concatenation of stored feature keys, from any cache holding them.
 
     Args:
-        cache_dir: a layers cache (any preset).
+        cache_dir: a layers cache (any preset), or a view of layers caches (it opens as a
+            :class:`speccache.read.view.ViewDataset` of these readers, one per source).
         fields: output name -> the layer ids it concatenates, in order; the id ``"last"`` is ``last_hidden_state``.
             A layer id follows the DSpark/DFlash convention unless ``prenorm`` is set (EAGLE-3's rule: the
             last layer's id then means its output before the final norm).
@@ -372,7 +375,7 @@ class LayerFeatureDataset(CacheDataset):
 
 
 def _config(cache_dir: str) -> dict[str, Any]:
-    return Manifest.read(cache_dir, CACHE_NAME).config
+    return open_source(cache_dir, CACHE_NAME).config
 
 
 def dspark_dataset(cache_dir: str, layers: Sequence[int] | None = None, **kwargs: Any) -> LayerFeatureDataset:
@@ -405,7 +408,7 @@ def eagle3_dataset(cache_dir: str, aux_layers: Sequence[int] | None = None, **kw
 
 
 def build_layer_dataloader(
-    dataset: LayerFeatureDataset,
+    dataset: LayerFeatureDataset | ViewDataset,
     batch_size: int,
     shuffle: bool,
     *,
@@ -418,7 +421,7 @@ def build_layer_dataloader(
     """A DataLoader of padded batches (with ``attention_mask`` and ``lengths``) of a method's dataset.
 
     Args:
-        dataset: e.g. ``dspark_dataset(cache_dir)``.
+        dataset: e.g. ``dspark_dataset(cache_dir)`` (of a cache or a view: a view's ``--weights`` are honoured).
         batch_size, shuffle, num_workers, distributed, seed, sampler, **loader_kwargs: as
             :func:`speccache.methods.eagle3.build_eagle3_dataloader`.
 
@@ -426,9 +429,7 @@ def build_layer_dataloader(
         RuntimeError: ``distributed`` without an initialised process group.
     """
     if sampler is None:
-        sampler = default_sampler(
-            dataset, dataset.shard_size, shuffle=shuffle, distributed=distributed, seed=seed, prefetch=dataset.prefetch
-        )
+        sampler = reader_sampler(dataset, shuffle=shuffle, distributed=distributed, seed=seed)
     loader_kwargs.setdefault("pin_memory", torch.cuda.is_available())
     return DataLoader(
         dataset,

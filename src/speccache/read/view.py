@@ -18,9 +18,10 @@ from __future__ import annotations
 import bisect
 import operator
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import torch
 from torch.utils.data import Dataset
 
 from speccache.errors import CacheFormatError, CacheIncompleteError
@@ -166,9 +167,15 @@ def make_subset_view(cache: str, out: str, where: str) -> View:
 class ViewDataset(Dataset):
     """A view as a dataset: sample ``i`` is the ``i``-th selected sample of its source.
 
+    It reads like its sources' reader: ``__getitems__`` hands each source its share of a
+    batch, ``prefetch`` announces each source's samples, and what describes the kind of
+    samples (:data:`SHARED`: a method reader's ``fields`` or ``supervision``, ``collator``,
+    ``schema``...) is the first source's, which every source shares (a merge refuses
+    sources of another kind, schema or settings).
+
     Args:
         view_dir: the view directory.
-        keys: stored keys to return (default: all).
+        *args: passed to each source's reader after its directory (``keys``, or a layer reader's ``fields``).
         dataset_cls: the reader of each source (e.g. :class:`speccache.methods.eagle3.Eagle3CacheDataset`).
         **kwargs: passed to each source's reader (``verify``, ``max_open_shards``...).
 
@@ -176,20 +183,36 @@ class ViewDataset(Dataset):
         CacheFormatError, CacheCorruptError: the view is malformed, or a source changed or vanished.
     """
 
+    SHARED = frozenset(
+        {"cache_name", "schema", "keys", "ragged_keys", "collator", "fields", "supervision", "draft_vocab_size"}
+    )
+    """Attributes read from the first source: they describe the samples, the same for every source."""
+
     def __init__(
         self,
         view_dir: str,
-        keys: Sequence[str] | str | None = None,
+        *args: Any,
         dataset_cls: type[CacheDataset] = CacheDataset,
         **kwargs: Any,
     ) -> None:
         self.view = View.read(view_dir)
-        self.sources = [dataset_cls(self.view.source_dir(i), keys, **kwargs) for i in range(len(self.view.sources))]
+        self.sources = [dataset_cls(self.view.source_dir(i), *args, **kwargs) for i in range(len(self.view.sources))]
         self._ends: list[int] = []
         total = 0
         for _, start, end in self.view.runs:
             total += end - start
             self._ends.append(total)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names the class does not define; never reached for the view's own state (unpickling included).
+        if name in ViewDataset.SHARED and "sources" in self.__dict__:
+            return getattr(self.sources[0], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def shard_size(self) -> int:
+        """The first source's shard size: the run length a locality sampler groups the view's samples by."""
+        return self.sources[0].shard_size
 
     def __len__(self) -> int:
         return self._ends[-1] if self._ends else 0
@@ -202,12 +225,33 @@ class ViewDataset(Dataset):
         source, start, end = self.view.runs[run]
         return source, end - (self._ends[run] - index)
 
+    def _by_source(self, indices: Sequence[int]) -> dict[int, list[tuple[int, int]]]:
+        """``source -> [(position in indices, sample index in the source)]``."""
+        groups: dict[int, list[tuple[int, int]]] = {}
+        for position, index in enumerate(indices):
+            source, local = self.locate(index)
+            groups.setdefault(source, []).append((position, local))
+        return groups
+
     def __getitem__(self, index: int) -> Sample:
         source, local = self.locate(index)
         return self.sources[source][local]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
-        return [self[i] for i in indices]
+        """Samples at ``indices`` (in that order), each source reading its share as one batch."""
+        if isinstance(indices, torch.Tensor):
+            indices = indices.tolist()
+        out: list[Any] = [None] * len(indices)
+        for source, members in self._by_source(indices).items():
+            samples = self.sources[source].__getitems__([local for _, local in members])
+            for (position, _), sample in zip(members, samples):
+                out[position] = sample
+        return out
+
+    def prefetch(self, indices: Iterable[int]) -> None:
+        """Announce these samples' long reads to the kernel (:meth:`speccache.read.CacheDataset.prefetch`)."""
+        for source, members in self._by_source(list(indices)).items():
+            self.sources[source].prefetch([local for _, local in members])
 
     def sample_weights(self) -> list[float]:
         """Each view sample's mixture weight (its source's ``--weights`` entry)."""
