@@ -120,6 +120,7 @@ def test_every_reader_reads_a_view_as_the_samples_it_selects(views, reader, shap
     assert same_samples([dict(s) for s in ds.__getitems__(backwards)], [want[i] for i in backwards])
     assert same_samples([dict(s) for s in pickle.loads(pickle.dumps(ds)).__getitems__(backwards)], want[::-1])
     ds.prefetch(range(len(ds)))
+    assert ds.sample_lengths() == [len(s["input_ids"]) for s in want]
 
 
 def _batches_in_sampler_order(loader, want, collate) -> None:

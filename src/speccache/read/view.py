@@ -253,6 +253,18 @@ class ViewDataset(Dataset):
         for source, members in self._by_source(list(indices)).items():
             self.sources[source].prefetch([local for _, local in members])
 
+    def sample_lengths(self) -> list[int]:
+        """Rows of each view sample's ragged keys (:meth:`speccache.read.CacheDataset.sample_lengths`), from the
+        offsets of the shards the view references only."""
+        lengths: list[int] = []
+        for source, start, end in self.view.runs:
+            reader = self.sources[source]
+            for index in range(start, end):
+                shard, local = reader._split(index)
+                offsets = reader._shard(shard).row_offsets
+                lengths.append(offsets[local + 1] - offsets[local])
+        return lengths
+
     def sample_weights(self) -> list[float]:
         """Each view sample's mixture weight (its source's ``--weights`` entry)."""
         weights = [s.weight for s in self.view.sources]
