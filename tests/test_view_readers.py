@@ -171,7 +171,7 @@ def test_target_head_of_a_view_is_its_sources_head(caches, views, shape):
     assert torch.equal(head.weight, direct.weight) and torch.equal(head.selected_token_ids, direct.selected_token_ids)
 
 
-def test_target_head_refuses_a_view_whose_sources_hold_different_side_files(caches, tmp_path):
+def test_target_head_and_audit_refuse_a_view_whose_sources_hold_different_side_files(caches, tmp_path, capsys):
     """A view made without merge's side-file check (written directly): its sources' heads would disagree."""
     a, b = caches["eagle3"]["a"], str(shutil.copytree(caches["eagle3"]["b"], tmp_path / "b"))
     body = load_manifest_json(manifest_path(b))
@@ -183,6 +183,8 @@ def test_target_head_refuses_a_view_whose_sources_hold_different_side_files(cach
     View(manifests[0].cache_name, manifests[0].schema, records, [(0, 0, 6), (1, 0, 5)]).write(out)
     with pytest.raises(CacheFormatError, match=r"sources of this view hold different side files eagle3_side"):
         TargetHead.from_cache(out)
+    assert main(["audit", out]) == 2  # which source's vocabulary would it recompute against?
+    assert "hold different side files" in capsys.readouterr().err
     assert len(Eagle3CacheDataset(out)) == 11  # the samples themselves still read
 
 

@@ -43,15 +43,14 @@ import torch
 
 from speccache.data import SOURCE_ROW_KEY, tokenizer_hash
 from speccache.errors import AuditError, SpeccacheError
-from speccache.format import Manifest, ShardFile, load_manifest_json, manifest_path
-from speccache.format.view import is_view
+from speccache.format import ShardFile
 from speccache.methods.eagle3 import CACHE_NAME as EAGLE3
 from speccache.methods.eagle3 import SIDE_FILE as EAGLE3_SIDE
 from speccache.methods.eagle3 import Eagle3Target, Supervision
 from speccache.precompute.run import DTYPES, _config_hash
 from speccache.precompute.target import load_target, target_device
 from speccache.read import CacheDataset
-from speccache.read.view import ViewDataset
+from speccache.read.source import CacheSource, open_source
 
 __all__ = ["AuditReport", "audit_cache", "feature_tolerance", "register_commands"]
 
@@ -123,8 +122,8 @@ def _relative_error(stored: torch.Tensor, live: torch.Tensor) -> float:
     return float(((stored - live).abs() / scale).max()) if stored.numel() else 0.0
 
 
-def _eagle3_target(cache_dir: str, config: Mapping[str, Any], model: torch.nn.Module) -> Callable[..., Any]:
-    side = ShardFile(os.path.join(cache_dir, EAGLE3_SIDE))
+def _eagle3_target(source: CacheSource, config: Mapping[str, Any], model: torch.nn.Module) -> Callable[..., Any]:
+    side = ShardFile(source.side_file(EAGLE3_SIDE))
     try:
         selected = side.tensor("selected_token_ids").clone()
     finally:
@@ -135,8 +134,10 @@ def _eagle3_target(cache_dir: str, config: Mapping[str, Any], model: torch.nn.Mo
     return target.compute_batch
 
 
-TARGETS: dict[str, Callable[[str, Mapping[str, Any], torch.nn.Module], Callable[..., Any]]] = {EAGLE3: _eagle3_target}
-"""cache_name -> (cache_dir, manifest config, model) -> the method's ``compute_batch`` as precompute built it."""
+TARGETS: dict[str, Callable[[CacheSource, Mapping[str, Any], torch.nn.Module], Callable[..., Any]]] = {
+    EAGLE3: _eagle3_target
+}
+"""cache_name -> (cache or view, manifest config, model) -> the method's ``compute_batch`` as precompute built it."""
 
 
 def _check_fingerprints(model_dir: str, config: Mapping[str, Any], report: AuditReport) -> None:
@@ -154,8 +155,8 @@ def _check_fingerprints(model_dir: str, config: Mapping[str, Any], report: Audit
             )
 
 
-def _check_side_weights(cache_dir: str, model: torch.nn.Module, report: AuditReport) -> None:
-    path = os.path.join(cache_dir, EAGLE3_SIDE)
+def _check_side_weights(source: CacheSource, model: torch.nn.Module, report: AuditReport) -> None:
+    path = source.side_file(EAGLE3_SIDE)
     side = ShardFile(path)
     try:
         rows = side.tensor("selected_token_ids").to(torch.int64)
@@ -196,10 +197,8 @@ def audit_cache(
     """
     if samples < 1:
         raise AuditError(f"--samples must be >= 1, got {samples}")
-    view = ViewDataset(cache_dir) if is_view(cache_dir) else None
-    dirs = [cache_dir] if view is None else [view.view.source_dir(i) for i in range(len(view.view.sources))]
-    manifests = [Manifest.from_json(load_manifest_json(manifest_path(d)), manifest_path(d)) for d in dirs]
-    manifest = manifests[0]  # a view's sources share the target and settings (merge checks it)
+    opened = open_source(cache_dir)
+    manifest = opened.manifest  # a view's sources share the target, settings and side files (merge checks it)
     config = manifest.config
     if manifest.cache_name not in TARGETS:
         raise AuditError(
@@ -218,17 +217,12 @@ def audit_cache(
     _check_fingerprints(model_dir, config, report)
     loaded = load_target(model_dir, config.get("model_dtype", "auto"), target_device(device))
     compute_dtype = next(loaded.model.parameters()).dtype
-    computes: dict[int, Callable[..., Any]] = {}
-    datasets = [CacheDataset(d, cache_name=manifest.cache_name, allow_incomplete=True) for d in dirs]
-    total = len(view) if view is not None else len(datasets[0])
-    drawn = sorted(random.Random(seed).sample(range(total), min(samples, total)))
+    compute_batch = TARGETS[manifest.cache_name](opened, config, loaded.model)
+    _check_side_weights(opened, loaded.model, report)
+    dataset = CacheDataset(cache_dir, cache_name=manifest.cache_name, allow_incomplete=True)  # a view's too
+    drawn = sorted(random.Random(seed).sample(range(len(dataset)), min(samples, len(dataset))))
     for index in drawn:
-        source, local = view.locate(index) if view is not None else (0, index)
-        if source not in computes:  # each source's own side file (its draft vocabulary) and weight rows
-            computes[source] = TARGETS[manifest.cache_name](dirs[source], config, loaded.model)
-            _check_side_weights(dirs[source], loaded.model, report)
-        compute_batch = computes[source]
-        sample = datasets[source][local]
+        sample = dataset[index]
         if "loss_mask" in sample and not sample["loss_mask"].any():
             report.cleared.append(index)
             continue
