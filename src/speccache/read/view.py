@@ -204,7 +204,8 @@ class ViewDataset(Dataset):
             self._ends.append(total)
 
     def __getattr__(self, name: str) -> Any:
-        # Only for names the class does not define; never reached for the view's own state (unpickling included).
+        # Asked only for names neither the class nor the instance holds; before unpickling restores the instance's
+        # state there is no source to ask (and no recursion through self.sources).
         if name in ViewDataset.SHARED and "sources" in self.__dict__:
             return getattr(self.sources[0], name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
