@@ -7,7 +7,8 @@ and answers alike. A view's sources share the kind of cache, the schema, the
 settings other than their data and their side files (``speccache merge``
 refuses caches that differ), so what one of them records holds for all; the
 side files are checked again here, by the checksums their manifests record,
-because a view made by an older speccache did not compare them. The datasets
+because a ``view.json`` need not come from ``merge``, and one source's head
+must never be paired with another's features. The datasets
 themselves resolve the same way: :class:`speccache.read.CacheDataset` (and every
 subclass) opens a view as a :class:`speccache.read.view.ViewDataset`.
 """
@@ -15,7 +16,6 @@ subclass) opens a view as a :class:`speccache.read.view.ViewDataset`.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from torch.utils.data import Sampler
 from speccache.errors import CacheFormatError
 from speccache.format import Manifest, Schema
 from speccache.format.view import View, is_view
+from speccache.read.dataset import CacheDataset
 from speccache.read.sampler import default_sampler
 from speccache.read.view import ViewDataset
 
@@ -124,7 +125,9 @@ def open_source(path: str, cache_name: str | None = None) -> CacheSource:
     return CacheSource(path, dirs, tuple(Manifest.read(d, view.cache_name) for d in dirs), view)
 
 
-def reader_sampler(dataset: Sized, *, shuffle: bool, distributed: bool, seed: int = 0) -> Sampler[int] | None:
+def reader_sampler(
+    dataset: CacheDataset | ViewDataset, *, shuffle: bool, distributed: bool, seed: int = 0
+) -> Sampler[int] | None:
     """:func:`speccache.read.default_sampler` for a cache reader or a view: its shard size, its ``prefetch`` hook,
     and a view's ``--weights`` (when any differs from 1).
 
@@ -132,13 +135,12 @@ def reader_sampler(dataset: Sized, *, shuffle: bool, distributed: bool, seed: in
         RuntimeError: ``distributed`` without an initialised process group.
     """
     weights = dataset.sample_weights() if isinstance(dataset, ViewDataset) else None
-    prefetch: Callable[[list[int]], object] = dataset.prefetch  # type: ignore[attr-defined]
     return default_sampler(
         dataset,
-        dataset.shard_size,  # type: ignore[attr-defined]
+        dataset.shard_size,
         shuffle=shuffle,
         distributed=distributed,
         seed=seed,
-        prefetch=prefetch,
+        prefetch=dataset.prefetch,
         weights=weights if weights is not None and any(w != 1.0 for w in weights) else None,
     )
