@@ -349,15 +349,19 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Run ``speccache export``."""
+    from speccache.compat.interop import LAYOUTS, export_peer
+
     layer_ids = [int(x) for x in args.layers.split(",") if x.strip()] if args.layers else None
-    export_cache(args.cache_dir, args.out, args.to, layer_ids)
+    (export_peer if args.to in LAYOUTS else export_cache)(args.cache_dir, args.out, args.to, layer_ids)
     return 0
 
 
 def register_commands(sub: Any) -> None:
     """Add ``export`` to the CLI."""
-    p = sub.add_parser("export", help="write a cache in NeMo AutoModel's DSpark or EAGLE-3 layout")
-    p.add_argument("--to", required=True, help=f"layout: {', '.join(TARGETS)}")
+    from speccache.compat.interop import LAYOUTS
+
+    p = sub.add_parser("export", help="write a cache in NeMo AutoModel's, SpecForge's or speculators' layout")
+    p.add_argument("--to", required=True, help=f"layout: {', '.join((*TARGETS, *LAYOUTS))}")
     p.add_argument(
         "--layers", default=None, help="layer ids to read from a layers cache (default: DSpark's / EAGLE-3's)"
     )

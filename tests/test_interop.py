@@ -1,0 +1,133 @@
+"""SpecForge and speculators layouts: exports read by the peers' own reader code (their PyPI packages, installed
+without their dependencies by ``make install``) give exactly the samples speccache's readers give."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from speccache.cli import main
+from speccache.compat.interop import FILES_PER_DIR, specforge_path
+from speccache.demo import demo_data_path
+from speccache.methods.eagle3 import Eagle3CacheDataset
+from speccache.methods.layers import LayerFeatureDataset
+
+LIMIT = 7
+MAX_LENGTH = 80
+BS = ["--batch-size", "3", "--shard-size", "3", "--dtype", "fp32"]
+RUNS = {
+    "eagle3": ("llama", ["--method", "eagle3", "--draft-vocab-size", "300", *BS]),
+    "eagle3_probs": ("llama", ["--method", "eagle3", "--supervision", "probs", *BS]),
+    "layers": ("llama", ["--method", "layers", "--layers", "1,3,4", "--last-hidden", "--last-prenorm", *BS]),
+}
+AUX = [1, 3, 4]
+H = 64  # the tiny demo targets' width
+L = 8  # and depth
+
+pytestmark = pytest.mark.usefixtures("offline_single_thread")
+
+
+def _needs(module: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(
+        importlib.util.find_spec(module.split(".")[0]) is None,
+        reason=f"{module} is not installed (make install installs the peers' packages without their dependencies)",
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(precompute_runs):
+    return precompute_runs(RUNS, demo_data_path("sharegpt"), LIMIT, MAX_LENGTH)
+
+
+def _export(cache: str, out: Path, to: str, capsys, *extra: str) -> None:
+    assert main(["export", "--to", to, *extra, cache, str(out)]) == 0
+    assert "one file per sample): about" in capsys.readouterr().out
+
+
+@_needs("specforge")
+@pytest.mark.parametrize("source", ["eagle3", "layers"])
+def test_specforge_export_is_read_by_specforges_offline_reader_as_speccaches_samples(runs, tmp_path, capsys, source):
+    from specforge.runtime.data_plane.feature_store import load_feature_file
+    from specforge.runtime.data_plane.offline_reader import OfflineManifestReader, list_feature_files
+    from specforge.training.vocab_mapping import count_effective_feature_tokens
+
+    out = tmp_path / "sf"
+    _export(runs(source), out, "specforge", capsys, *(("--layers", "1,3,4") if source == "layers" else ()))
+    if source == "eagle3":
+        ours = Eagle3CacheDataset(runs(source))
+    else:
+        ours = LayerFeatureDataset(
+            runs(source), {"aux_hidden_states": AUX, "last_hidden_state": ["last"]}, prenorm=True
+        )
+    files = list_feature_files(str(out))
+    refs = OfflineManifestReader(str(out), validate_files=True).read()
+    assert len(files) == len(refs) == LIMIT and files == sorted(files)
+    supervised: dict[int, int] = {}
+    for i, path in enumerate(files):
+        assert path == str(Path(specforge_path(str(out), i)).resolve())
+        raw, want = load_feature_file(path), ours[i]
+        t = want["input_ids"].numel()
+        assert set(raw) == {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state"}
+        assert raw["input_ids"].dtype == raw["loss_mask"].dtype == torch.int64
+        assert raw["input_ids"].tolist() == want["input_ids"].tolist()
+        assert raw["loss_mask"].tolist() == want["loss_mask"].long().tolist()
+        assert raw["aux_hidden_state"].shape == (1, t, 3 * H) and raw["hidden_state"].shape == (1, t, H)
+        assert torch.equal(raw["aux_hidden_state"][0], want["aux_hidden_states"])
+        assert torch.equal(raw["hidden_state"][0], want["last_hidden_state"])
+        assert refs[i].num_tokens == t
+        for tok in want["input_ids"][want["loss_mask"]].tolist():
+            supervised[tok] = supervised.get(tok, 0) + 1
+    assert dict(count_effective_feature_tokens(str(out))) == supervised
+    mapping = out / "vocab_mapping.pt"
+    if source == "eagle3":  # a 300-token draft vocabulary: its maps, as SpecForge's trainer loads them
+        vocab = torch.load(mapping, weights_only=True)
+        assert vocab["d2t"].dtype == torch.int64 and vocab["t2d"].dtype == torch.bool
+        assert vocab["d2t"].numel() == 300 and int(vocab["t2d"].sum()) == 300
+        assert torch.equal(torch.arange(300) + vocab["d2t"], vocab["t2d"].nonzero()[:, 0])
+    else:
+        assert not mapping.exists()
+
+
+def test_specforge_names_sort_in_sample_order_across_folders():
+    names = [specforge_path("/c", i) for i in (0, 9, 10, FILES_PER_DIR - 1, FILES_PER_DIR, 10 * FILES_PER_DIR + 3)]
+    assert names == sorted(names) and len({Path(n).parent for n in names}) == 3
+
+
+@_needs("speculators")
+def test_speculators_export_is_read_by_speculators_arrow_dataset_as_speccaches_samples(runs, tmp_path, capsys):
+    from speculators.train.data import ArrowDataset
+
+    out = tmp_path / "sp"
+    _export(runs("layers"), out, "speculators", capsys, "--layers", "1,3,4")
+    ours = LayerFeatureDataset(runs("layers"), {"aux": AUX, "pre": [L - 1]}, prenorm=True)
+    ds = ArrowDataset(max_len=MAX_LENGTH, datapath=str(out), on_missing="raise")
+    assert len(ds) == LIMIT
+    supervised: dict[int, int] = {}
+    for i in range(LIMIT):
+        got, want = ds[i], ours[i]
+        t = want["input_ids"].numel()
+        assert got["input_ids"].tolist() == want["input_ids"].tolist()
+        assert got["loss_mask"].tolist() == want["loss_mask"].long().tolist()
+        assert got["lengths"].tolist() == [t]
+        assert torch.equal(got["hidden_states"], want["aux"])  # [T, 3H]: the aux layers
+        assert torch.equal(got["verifier_last_hidden_states"], want["pre"])  # before the final norm
+        for tok in want["input_ids"][want["loss_mask"]].tolist():
+            supervised[tok] = supervised.get(tok, 0) + 1
+    assert ds.approx_lengths == [ours[i]["input_ids"].numel() for i in range(LIMIT)]
+    assert torch.load(out / "token_freq.pt", weights_only=True) == supervised
+
+
+def test_exports_refuse_what_the_layout_cannot_hold(runs, tmp_path, capsys):
+    assert main(["export", "--to", "specforge", runs("eagle3_probs"), str(tmp_path / "a")]) == 1
+    assert "stores --supervision probs instead" in capsys.readouterr().err
+    assert main(["export", "--to", "speculators", runs("eagle3"), str(tmp_path / "b")]) == 1
+    assert "only a layers cache stores" in capsys.readouterr().err
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "mine.txt").write_text("keep")
+    assert main(["export", "--to", "specforge", runs("eagle3"), str(tmp_path / "c")]) == 1
+    assert "is not empty" in capsys.readouterr().err
+    assert (tmp_path / "c" / "mine.txt").read_text() == "keep"
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
