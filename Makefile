@@ -8,6 +8,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 DEMO_OUT ?= demo-out
+PEERS := specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0
 
 .PHONY: install test lint demo bench footprint clean soak
 
@@ -15,6 +16,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e ".[test]"
+	# The peers' readers, for the interop tests: their own pins (transformers, datasets) would replace ours, and
+	# the modules the tests import need none of what they pin.
+	$(PIP) install -q --no-deps $(PEERS)
 	touch $@
 
 install: $(VENV)/.installed

@@ -4,14 +4,20 @@ without their dependencies by ``make install``) give exactly the samples speccac
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from cachecmp import file_tree
 from speccache.cli import main
 from speccache.compat.interop import FILES_PER_DIR, specforge_path
 from speccache.demo import demo_data_path
+from speccache.format import ShardFile
 from speccache.methods.eagle3 import Eagle3CacheDataset
 from speccache.methods.layers import LayerFeatureDataset
 
@@ -131,3 +137,138 @@ def test_exports_refuse_what_the_layout_cannot_hold(runs, tmp_path, capsys):
     assert "is not empty" in capsys.readouterr().err
     assert (tmp_path / "c" / "mine.txt").read_text() == "keep"
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+# ---------------------------------------------------------------------------
+# import: round trips, bad files reported, never unpickling code, resume
+
+
+def _import(src: Path, out: Path, layout: str, model: str, *extra: str) -> int:
+    return main(["import", "--from", layout, "--model", model, "--shard-size", "3", *extra, str(src), str(out)])
+
+
+class _Planted:
+    """An object whose unpickling would write a file: a pickle that must never be loaded with weights_only=False."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "ran"))
+
+
+@_needs("specforge")
+def test_specforge_import_of_an_export_gives_back_the_cache_and_reports_bad_files(runs, tiny_models, tmp_path, capsys):
+    from speccache.read.verify import verify_cache
+
+    src, out = tmp_path / "sf", tmp_path / "imported"
+    _export(runs("eagle3"), src, "specforge", capsys)
+    first_dir = Path(specforge_path(str(src), 0)).parent
+    good = sorted(first_dir.iterdir())
+    truncated, garbage, unsafe = good[1], first_dir / "data_zz_garbage.ckpt", first_dir / "data_zz_unsafe.ckpt"
+    truncated.write_bytes(truncated.read_bytes()[:200])
+    garbage.write_bytes(b"not a torch file")
+    marker = tmp_path / "code-ran"
+    torch.save({"input_ids": torch.zeros(3, dtype=torch.long), "x": _Planted(str(marker))}, unsafe)
+    assert _import(src, out, "specforge", tiny_models("llama"), "--layers", "1,3,4") == 0
+    captured = capsys.readouterr().out
+    assert not marker.exists()
+    report = [json.loads(line) for line in (out / "skipped_files.jsonl").read_text().splitlines()]
+    assert {(Path(r["file"]).name, r["reason"]) for r in report} == {
+        (truncated.name, "unreadable"),
+        (garbage.name, "unreadable"),
+        (unsafe.name, "unsafe"),
+    }
+    assert all(Path(r["file"]).name in captured for r in report)
+    assert verify_cache(str(out)).ok
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["stats"]["skipped_files"] == {"unreadable": 2, "unsafe": 1}
+    original, imported = Eagle3CacheDataset(runs("eagle3")), Eagle3CacheDataset(str(out))
+    kept = [i for i in range(LIMIT) if i != 1]
+    assert len(imported) == len(kept)
+    for j, i in enumerate(kept):
+        want, got = original[i], imported[j]
+        assert set(got) == set(want)
+        for key in want:
+            assert torch.equal(got[key], want[key]), key
+    side = lambda d: ShardFile(str(Path(d) / "eagle3_side.safetensors"))  # noqa: E731
+    a, b = side(runs("eagle3")), side(out)
+    for key in ("embed_tokens", "lm_head", "selected_token_ids", "d2t", "t2d"):
+        assert torch.equal(a.tensor(key), b.tensor(key)), key
+
+
+@_needs("speculators")
+def test_speculators_import_of_an_export_gives_back_the_cache_and_its_export(runs, tiny_models, tmp_path, capsys):
+    from speccache.read.verify import verify_cache
+
+    src, out, again = tmp_path / "sp", tmp_path / "imported", tmp_path / "again"
+    _export(runs("layers"), src, "speculators", capsys, "--layers", "1,3,4")
+    assert _import(src, out, "speculators", tiny_models("llama"), "--layers", "1,3,4") == 0
+    assert verify_cache(str(out)).ok and not (out / "skipped_files.jsonl").exists()
+    fields = {"aux": AUX, "pre": [L - 1]}
+    original = LayerFeatureDataset(runs("layers"), fields, prenorm=True)
+    imported = LayerFeatureDataset(str(out), fields, prenorm=True)
+    assert len(imported) == LIMIT
+    for i in range(LIMIT):
+        want, got = original[i], imported[i]
+        for key in ("input_ids", "loss_mask", "aux", "pre"):
+            assert torch.equal(got[key], want[key]), key
+    _export(str(out), again, "speculators", capsys, "--layers", "1,3,4")
+    for i in range(LIMIT):
+        name = f"hidden_states/hs_{i}.safetensors"
+        assert (again / name).read_bytes() == (src / name).read_bytes()
+    assert (again / "token_freq.pt").read_bytes() == (src / "token_freq.pt").read_bytes()
+
+
+@_needs("speculators")
+def test_speculators_import_skips_missing_truncated_and_mismatched_files(runs, tiny_models, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    src, out = tmp_path / "sp", tmp_path / "imported"
+    _export(runs("layers"), src, "speculators", capsys, "--layers", "1,3,4")
+    hs = src / "hidden_states"
+    (hs / "hs_0.safetensors").unlink()
+    (hs / "hs_2.safetensors").write_bytes((hs / "hs_2.safetensors").read_bytes()[:100])
+    other = load_file(hs / "hs_4.safetensors")
+    other["token_ids"] = other["token_ids"].flip(0)
+    save_file(other, hs / "hs_4.safetensors")
+    assert _import(src, out, "speculators", tiny_models("llama"), "--layers", "1,3,4") == 0
+    report = [json.loads(line) for line in (out / "skipped_files.jsonl").read_text().splitlines()]
+    assert [(r["file"], r["reason"]) for r in report] == [
+        ("hidden_states/hs_0.safetensors", "missing"),
+        ("hidden_states/hs_2.safetensors", "unreadable"),
+        ("hidden_states/hs_4.safetensors", "token_mismatch"),
+    ]
+    kept = LayerFeatureDataset(str(out), {"aux": AUX}, prenorm=True)
+    original = LayerFeatureDataset(runs("layers"), {"aux": AUX}, prenorm=True)
+    assert len(kept) == LIMIT - 3
+    for j, i in enumerate([1, 3, 5, 6]):  # each kept sample names the row of the speculators dataset it came from
+        assert kept[j]["source_row"].item() == i
+        assert torch.equal(kept[j]["aux"], original[i]["aux"])
+
+
+@_needs("specforge")
+@pytest.mark.parametrize("fault", ["mid_shard_write:2", "before_seal"])
+def test_a_killed_import_is_finished_by_resume_to_the_same_bytes(runs, tiny_models, tmp_path, capsys, fault):
+    src, whole, killed = tmp_path / "sf", tmp_path / "whole", tmp_path / "killed"
+    _export(runs("eagle3"), src, "specforge", capsys)
+    assert _import(src, whole, "specforge", tiny_models("llama")) == 0
+    argv = [
+        "import",
+        "--from",
+        "specforge",
+        "--model",
+        tiny_models("llama"),
+        "--shard-size",
+        "3",
+        str(src),
+        str(killed),
+    ]
+    env = {**os.environ, "SPECCACHE_FAULT": fault, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "speccache.testing.faults", "speccache.cli", *argv],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == -9, run.stderr[-2000:]
+    assert main([*argv[:-2], "--resume", str(src), str(killed)]) == 0
+    assert file_tree(killed) == file_tree(whole)
