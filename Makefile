@@ -42,6 +42,7 @@ bench: install
 footprint: install
 	$(PY) benchmarks/footprint.py --out docs/footprint.md
 	$(PY) benchmarks/superset_footprint.py --out docs/footprint_superset.md
+	$(PY) benchmarks/interop_footprint.py --out docs/footprint_interop.md
 
 # The crash, corruption and fuzz suites with many more kill points and examples (minutes, not seconds).
 soak: install

@@ -48,6 +48,10 @@ def runs(precompute_runs):
     return precompute_runs(RUNS, demo_data_path("sharegpt"), LIMIT, MAX_LENGTH)
 
 
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
 def _export(cache: str, out: Path, to: str, capsys, *extra: str) -> None:
     assert main(["export", "--to", to, *extra, cache, str(out)]) == 0
     assert "one file per sample): about" in capsys.readouterr().out
@@ -272,3 +276,9 @@ def test_a_killed_import_is_finished_by_resume_to_the_same_bytes(runs, tiny_mode
     assert run.returncode == -9, run.stderr[-2000:]
     assert main([*argv[:-2], "--resume", str(src), str(killed)]) == 0
     assert file_tree(killed) == file_tree(whole)
+    again = tmp_path / "again"  # and the imported cache exports to the very files it came from
+    _export(str(whole), again, "specforge", capsys)
+    assert _files(again) == _files(src)
+    os.utime(specforge_path(str(src), 0))  # a source written since: a resume refuses it, naming the digest
+    assert main([*argv[:-2], "--resume", str(src), str(killed)]) == 1
+    assert "config.source_digest" in capsys.readouterr().err
