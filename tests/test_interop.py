@@ -28,6 +28,8 @@ RUNS = {
     "eagle3": ("llama", ["--method", "eagle3", "--draft-vocab-size", "300", *BS]),
     "eagle3_probs": ("llama", ["--method", "eagle3", "--supervision", "probs", *BS]),
     "layers": ("llama", ["--method", "layers", "--layers", "1,3,4", "--last-hidden", "--last-prenorm", *BS]),
+    "dflash": ("llama", ["--method", "dflash", *BS]),
+    "dspark": ("llama", ["--method", "dspark", *BS]),
 }
 AUX = [1, 3, 4]
 H = 64  # the tiny demo targets' width
@@ -99,6 +101,34 @@ def test_specforge_export_is_read_by_specforges_offline_reader_as_speccaches_sam
         assert torch.equal(torch.arange(300) + vocab["d2t"], vocab["t2d"].nonzero()[:, 0])
     else:
         assert not mapping.exists()
+
+
+@_needs("specforge")
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_specforge_dflash_family_export_is_normalised_by_specforges_loader_as_speccaches_samples(
+    runs, tmp_path, capsys, method
+):
+    from specforge.algorithms.common.dflash_family_data import normalize_dspark_offline_sample, normalize_offline_sample
+    from specforge.runtime.data_plane.feature_store import load_feature_file
+    from specforge.runtime.data_plane.offline_reader import list_feature_files
+
+    from speccache.methods.layers import dflash_dataset, dspark_dataset
+
+    out = tmp_path / method
+    _export(runs(method), out, f"specforge-{method}", capsys)
+    ours = (dspark_dataset if method == "dspark" else dflash_dataset)(runs(method))
+    normalise = normalize_dspark_offline_sample if method == "dspark" else normalize_offline_sample
+    files = list_feature_files(str(out))
+    assert len(files) == LIMIT
+    for i, path in enumerate(files):
+        got, want = normalise(load_feature_file(path), MAX_LENGTH), ours[i]
+        assert got["input_ids"][0].tolist() == want["input_ids"].tolist()
+        assert got["loss_mask"][0].tolist() == want["loss_mask"].long().tolist()
+        assert torch.equal(got["hidden_states"][0], want["target_hidden_states"])
+        if method == "dspark":
+            assert torch.equal(got["target_last_hidden_states"][0], want["target_last_hidden_states"])
+        else:
+            assert "target_last_hidden_states" not in got
 
 
 def test_specforge_names_sort_in_sample_order_across_folders():

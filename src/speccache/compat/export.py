@@ -376,7 +376,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def register_commands(sub: Any) -> None:
     """Add ``export`` to the CLI."""
-    from speccache.compat.interop import LAYOUTS
+    from speccache.compat.interop import IMPORTS, LAYOUTS
 
     p = sub.add_parser("export", help="write a cache in NeMo AutoModel's, SpecForge's or speculators' layout")
     p.add_argument("--to", required=True, help=f"layout: {', '.join((*TARGETS, *LAYOUTS))}")
@@ -389,7 +389,7 @@ def register_commands(sub: Any) -> None:
     p = sub.add_parser(
         "import", help="write a NeMo AutoModel EAGLE-3, SpecForge or speculators cache as a speccache cache"
     )
-    p.add_argument("--from", dest="layout", required=True, choices=["nemo-eagle3", *LAYOUTS], help="layout of SRC")
+    p.add_argument("--from", dest="layout", required=True, choices=["nemo-eagle3", *IMPORTS], help="layout of SRC")
     p.add_argument("--resume", action="store_true", help="finish an interrupted import")
     p.add_argument("--model", default=None, help="specforge/speculators: the target model directory")
     p.add_argument("--layers", default=None, help="aux layer ids (speculators: required; specforge: default EAGLE-3's)")

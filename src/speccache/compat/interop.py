@@ -7,7 +7,10 @@ Both peers store one file per sample and read them with their own trainers:
   ``torch.save`` dict of one sample: ``input_ids`` int64 ``[S]``, ``loss_mask`` int64 ``[S]``,
   ``aux_hidden_state`` ``[1, S, 3H]`` (the aux decoder layers before the final norm) and ``hidden_state``
   ``[1, S, H]`` (the final-norm output, the LM-head input); ``vocab_mapping.pt`` (``d2t``/``t2d``) beside them
-  when the draft vocabulary is smaller than the target's.
+  when the draft vocabulary is smaller than the target's. Its DFlash and DSpark trainers
+  (``specforge/algorithms/common/dflash_family_data.py``) read the same files with ``hidden_states``
+  ``[1, S, K*H]`` (the method's layers concatenated) and, for DSpark, ``target_last_hidden_states`` ``[1, S, H]``:
+  ``specforge-dflash`` and ``specforge-dspark``, from a layers cache.
 * ``speculators`` (speculators 0.9.0, ``speculators/train/data.py`` ``ArrowDataset``): an Arrow
   ``save_to_disk`` directory (``input_ids``, ``loss_mask``, ``seq_len``; torch format), ``token_freq.pt`` (the
   supervised tokens' counts) and ``hidden_states/hs_{row}.safetensors`` holding ``hidden_states``
@@ -34,11 +37,23 @@ from speccache.methods import eagle3, layers
 from speccache.read import CacheDataset
 from speccache.units import human_bytes
 
-__all__ = ["LAYOUTS", "SKIPPED_FILES", "BadFile", "export_peer", "import_peer", "specforge_path", "speculators_hs_path"]
+__all__ = [
+    "IMPORTS",
+    "LAYOUTS",
+    "SKIPPED_FILES",
+    "BadFile",
+    "export_peer",
+    "import_peer",
+    "specforge_path",
+    "speculators_hs_path",
+]
 
 SPECFORGE = "specforge"
+SPECFORGE_DFLASH = "specforge-dflash"
+SPECFORGE_DSPARK = "specforge-dspark"
 SPECULATORS = "speculators"
-LAYOUTS = (SPECFORGE, SPECULATORS)
+LAYOUTS = (SPECFORGE, SPECFORGE_DFLASH, SPECFORGE_DSPARK, SPECULATORS)
+IMPORTS = (SPECFORGE, SPECULATORS)
 FILES_PER_DIR = 5000
 """SpecForge's hidden-state preparation groups its files in folders of this many rows."""
 VOCAB_MAPPING = "vocab_mapping.pt"
@@ -115,6 +130,31 @@ def _specforge(cache_dir: str, manifest: Manifest, layer_ids: Sequence[int] | No
     return _Export(ds, sample_files, _torch_save, finish)
 
 
+def _specforge_dflash_family(dspark: bool) -> Callable[[str, Manifest, Sequence[int] | None], _Export]:
+    def plan(cache_dir: str, manifest: Manifest, layer_ids: Sequence[int] | None) -> _Export:
+        to = SPECFORGE_DSPARK if dspark else SPECFORGE_DFLASH
+        if manifest.cache_name != layers.CACHE_NAME:
+            raise CacheFormatError(
+                f"{cache_dir}: --to {to} reads a layers cache (--method dspark, dflash or layers), "
+                f"not a {manifest.cache_name!r} cache"
+            )
+        ds = (layers.dspark_dataset if dspark else layers.dflash_dataset)(cache_dir, layer_ids)
+
+        def sample_files(out: str, index: int, s: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+            sample = {
+                "input_ids": s["input_ids"].to(torch.int64),
+                "loss_mask": s["loss_mask"].to(torch.int64),
+                "hidden_states": _own(s["target_hidden_states"])[None],
+            }
+            if dspark:
+                sample["target_last_hidden_states"] = _own(s["target_last_hidden_states"])[None]
+            return {specforge_path(out, index): sample}
+
+        return _Export(ds, sample_files, _torch_save, lambda out, ids, masks: None)
+
+    return plan
+
+
 def _speculators(cache_dir: str, manifest: Manifest, layer_ids: Sequence[int] | None) -> _Export:
     if manifest.cache_name != layers.CACHE_NAME:
         raise CacheFormatError(
@@ -173,7 +213,7 @@ def export_peer(
     Args:
         cache_dir: a sealed speccache cache (EAGLE-3 with ``hidden`` supervision, or layers).
         out: the output directory (absent or empty).
-        to: ``specforge`` or ``speculators``.
+        to: ``specforge`` (EAGLE-3), ``specforge-dflash``, ``specforge-dspark`` or ``speculators``.
         layer_ids: aux layer ids to read from a layers cache (default: EAGLE-3's for the target's depth).
         log: where the size line goes, before anything is written.
 
@@ -189,7 +229,13 @@ def export_peer(
     if os.path.isdir(out) and os.listdir(out):
         raise CacheExistsError(f"--out {out} is not empty; export into a new or empty directory")
     manifest = Manifest.read(cache_dir)
-    export = (_specforge if to == SPECFORGE else _speculators)(cache_dir, manifest, layer_ids)
+    plans = {
+        SPECFORGE: _specforge,
+        SPECFORGE_DFLASH: _specforge_dflash_family(dspark=False),
+        SPECFORGE_DSPARK: _specforge_dflash_family(dspark=True),
+        SPECULATORS: _speculators,
+    }
+    export = plans[to](cache_dir, manifest, layer_ids)
     ds = export.dataset
     if len(ds):
         # Every stored feature is per token, so the first sample's bytes per token give the total.
@@ -528,8 +574,8 @@ def import_peer(
     from speccache.format import LENGTHS_KEY
     from speccache.write import CacheWriter, SideFile
 
-    if layout not in LAYOUTS:
-        raise ValueError(f"--from {layout!r} is unknown; choose one of nemo-eagle3, {', '.join(LAYOUTS)}")
+    if layout not in IMPORTS:
+        raise ValueError(f"--from {layout!r} is unknown; choose one of nemo-eagle3, {', '.join(IMPORTS)}")
     if not os.path.isdir(src):
         raise FileNotFoundError(f"{src}: no such directory")
     target = _target(model)
