@@ -28,6 +28,7 @@ RUNS = {
     "eagle3": ("llama", ["--method", "eagle3", "--draft-vocab-size", "300", *BS]),
     "eagle3_probs": ("llama", ["--method", "eagle3", "--supervision", "probs", *BS]),
     "layers": ("llama", ["--method", "layers", "--layers", "1,3,4", "--last-hidden", "--last-prenorm", *BS]),
+    "eagle3_bf16": ("llama", ["--method", "eagle3", "--batch-size", "3", "--shard-size", "3", "--dtype", "bf16"]),
     "dflash": ("llama", ["--method", "dflash", *BS]),
     "dspark": ("llama", ["--method", "dspark", *BS]),
 }
@@ -312,3 +313,19 @@ def test_a_killed_import_is_finished_by_resume_to_the_same_bytes(runs, tiny_mode
     os.utime(specforge_path(str(src), 0))  # a source written since: a resume refuses it, naming the digest
     assert main([*argv[:-2], "--resume", str(src), str(killed)]) == 1
     assert "config.source_digest" in capsys.readouterr().err
+
+
+@_needs("specforge")
+def test_an_import_compresses_with_any_encoding_and_keeps_the_samples(runs, tiny_models, tmp_path, capsys):
+    src, out = tmp_path / "sf", tmp_path / "zbf16"
+    _export(runs("eagle3_bf16"), src, "specforge", capsys)
+    encode = "aux_hidden_states=zbf16,last_hidden_state=fp8"
+    assert _import(src, out, "specforge", tiny_models("llama"), "--layers", "1,3,4", "--encode", encode) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["config"]["encodings"] == {"aux_hidden_states": "zbf16", "last_hidden_state": "fp8"}
+    original, imported = Eagle3CacheDataset(runs("eagle3_bf16")), Eagle3CacheDataset(str(out))
+    for i in range(LIMIT):
+        assert torch.equal(imported[i]["aux_hidden_states"], original[i]["aux_hidden_states"])  # lossless
+        torch.testing.assert_close(
+            imported[i]["last_hidden_state"], original[i]["last_hidden_state"], rtol=0.07, atol=0.02
+        )
