@@ -9,6 +9,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 DEMO_OUT ?= demo-out
 PEERS := specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0
+SEED := $(abspath $(VENV))/seed/nemo_automodel/components/datasets/llm/offline_cache.py
 
 .PHONY: install test lint demo bench footprint clean soak
 
@@ -19,12 +20,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# The peers' readers, for the interop tests: their own pins (transformers, datasets) would replace ours, and
 	# the modules the tests import need none of what they pin.
 	$(PIP) install -q --no-deps $(PEERS)
+	# NeMo AutoModel's own offline-cache modules, which the drop-in and export tests compare against (files only).
+	$(PIP) download -q --no-deps -d $(VENV)/seed nemo-automodel==0.7.0
+	$(PY) -m zipfile -e $(VENV)/seed/nemo_automodel-0.7.0-py3-none-any.whl $(VENV)/seed
 	touch $@
 
 install: $(VENV)/.installed
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider
+	SPECCACHE_SEED=$(SEED) $(PY) -m pytest -q -p no:cacheprovider
 
 # ruff (configured in pyproject.toml): formatting and lint; CI runs it before the tests.
 lint: install
