@@ -8,6 +8,8 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 DEMO_OUT ?= demo-out
+PEERS := specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0
+SEED := $(abspath $(VENV))/seed/nemo_automodel/components/datasets/llm/offline_cache.py
 
 .PHONY: install test lint demo bench footprint clean soak
 
@@ -15,12 +17,18 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e ".[test]"
+	# The peers' readers, for the interop tests: their own pins (transformers, datasets) would replace ours, and
+	# the modules the tests import need none of what they pin.
+	$(PIP) install -q --no-deps $(PEERS)
+	# NeMo AutoModel's own offline-cache modules, which the drop-in and export tests compare against (files only).
+	$(PIP) download -q --no-deps -d $(VENV)/seed nemo-automodel==0.7.0
+	$(PY) -m zipfile -e $(VENV)/seed/nemo_automodel-0.7.0-py3-none-any.whl $(VENV)/seed
 	touch $@
 
 install: $(VENV)/.installed
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider
+	SPECCACHE_SEED=$(SEED) $(PY) -m pytest -q -p no:cacheprovider
 
 # ruff (configured in pyproject.toml): formatting and lint; CI runs it before the tests.
 lint: install
@@ -38,6 +46,7 @@ bench: install
 footprint: install
 	$(PY) benchmarks/footprint.py --out docs/footprint.md
 	$(PY) benchmarks/superset_footprint.py --out docs/footprint_superset.md
+	$(PY) benchmarks/interop_footprint.py --out docs/footprint_interop.md
 
 # The crash, corruption and fuzz suites with many more kill points and examples (minutes, not seconds).
 soak: install

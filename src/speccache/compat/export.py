@@ -343,31 +343,59 @@ def import_nemo_eagle3(src: str, out: str, resume: bool = False) -> Manifest:
 
 def cmd_import(args: argparse.Namespace) -> int:
     """Run ``speccache import``."""
-    manifest = import_nemo_eagle3(args.nemo_dir, args.out, resume=args.resume)
+    from speccache.compat.interop import import_peer
+    from speccache.format.encoding import parse_encodings
+
+    if args.layout == "nemo-eagle3":
+        manifest = import_nemo_eagle3(args.nemo_dir, args.out, resume=args.resume)
+    else:
+        if not args.model:
+            raise ValueError(f"--from {args.layout} needs --model: the target whose features the files hold")
+        layer_ids = [int(x) for x in args.layers.split(",") if x.strip()] if args.layers else None
+        manifest = import_peer(
+            args.nemo_dir,
+            args.out,
+            args.layout,
+            args.model,
+            layer_ids,
+            parse_encodings(args.encode),
+            args.shard_size,
+            args.resume,
+        )
     print(f"speccache import: {manifest.num_samples} samples, {manifest.num_tokens} tokens -> {args.out}")
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Run ``speccache export``."""
+    from speccache.compat.interop import LAYOUTS, export_peer
+
     layer_ids = [int(x) for x in args.layers.split(",") if x.strip()] if args.layers else None
-    export_cache(args.cache_dir, args.out, args.to, layer_ids)
+    (export_peer if args.to in LAYOUTS else export_cache)(args.cache_dir, args.out, args.to, layer_ids)
     return 0
 
 
 def register_commands(sub: Any) -> None:
     """Add ``export`` to the CLI."""
-    p = sub.add_parser("export", help="write a cache in NeMo AutoModel's DSpark or EAGLE-3 layout")
-    p.add_argument("--to", required=True, help=f"layout: {', '.join(TARGETS)}")
+    from speccache.compat.interop import IMPORTS, LAYOUTS
+
+    p = sub.add_parser("export", help="write a cache in NeMo AutoModel's, SpecForge's or speculators' layout")
+    p.add_argument("--to", required=True, help=f"layout: {', '.join((*TARGETS, *LAYOUTS))}")
     p.add_argument(
         "--layers", default=None, help="layer ids to read from a layers cache (default: DSpark's / EAGLE-3's)"
     )
     p.add_argument("cache_dir")
     p.add_argument("out")
     p.set_defaults(func=cmd_export)
-    p = sub.add_parser("import", help="write a NeMo AutoModel EAGLE-3 cache as a speccache cache (lossless)")
-    p.add_argument("--from", dest="layout", required=True, choices=["nemo-eagle3"], help="layout of NEMO_DIR")
+    p = sub.add_parser(
+        "import", help="write a NeMo AutoModel EAGLE-3, SpecForge or speculators cache as a speccache cache"
+    )
+    p.add_argument("--from", dest="layout", required=True, choices=["nemo-eagle3", *IMPORTS], help="layout of SRC")
     p.add_argument("--resume", action="store_true", help="finish an interrupted import")
-    p.add_argument("nemo_dir")
+    p.add_argument("--model", default=None, help="specforge/speculators: the target model directory")
+    p.add_argument("--layers", default=None, help="aux layer ids (speculators: required; specforge: default EAGLE-3's)")
+    p.add_argument("--encode", default="", help="per-feature encodings, e.g. aux_hidden_states=fp8")
+    p.add_argument("--shard-size", type=int, default=256, help="samples per shard (specforge/speculators)")
+    p.add_argument("nemo_dir", metavar="SRC")
     p.add_argument("out")
     p.set_defaults(func=cmd_import)

@@ -156,6 +156,18 @@ class LayerSelection:
         if not ids and not self.last_hidden and not self.last_prenorm:
             raise ValueError("--method layers stores nothing: give --layers, --last-hidden or --last-prenorm")
 
+    def manifest_config(self, model_config: Any) -> dict[str, Any]:
+        """The manifest's config fields of this selection of ``model_config``'s layers (what readers resolve ids by)."""
+        return {
+            "layers": list(self.layers),
+            "last_hidden": self.last_hidden,
+            "last_prenorm": self.last_prenorm,
+            "num_layers": self.num_layers,
+            "architecture": (getattr(model_config, "architectures", None) or [type(model_config).__name__])[0],
+            "model_type": getattr(model_config, "model_type", None),
+            "features": {f.key: f.to_json() for f in self.features()},
+        }
+
     def features(self) -> list[Feature]:
         """The stored features, in layer order (``last_hidden_state`` and the pre-norm last layer at the end)."""
         last = self.num_layers - 1

@@ -38,6 +38,7 @@ from speccache.data import (
 )
 from speccache.errors import DataError, SpeccacheError
 from speccache.format import LENGTHS_KEY, Manifest, Schema, load_manifest_json, manifest_path, shard_samples
+from speccache.format.encoding import parse_encodings
 from speccache.methods.eagle3 import (
     CACHE_NAME,
     SIDE_FILE,
@@ -192,7 +193,7 @@ class PrecomputeConfig:
             last_prenorm=getattr(args, "last_prenorm", False),
             draft_vocab_size=args.draft_vocab_size,
             supervision=args.supervision,
-            encodings=_parse_encodings(args.encode),
+            encodings=parse_encodings(args.encode),
             limit=args.limit,
             skip_bad_rows=args.skip_bad_rows,
             chat_template=getattr(args, "chat_template", None),
@@ -281,16 +282,6 @@ def _parse_layers(text: str | None, flag: str = "--aux-layers") -> list[int] | N
         raise ValueError(f"{flag} {text!r} must be comma-separated integers, e.g. 1,15,28") from None
 
 
-def _parse_encodings(text: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, sep, enc = item.partition("=")
-        if not sep or not key or not enc:
-            raise ValueError(f"--encode item {item!r} must look like KEY=ENCODING (e.g. aux_hidden_states=fp8)")
-        out[key.strip()] = enc.strip()
-    return out
-
-
 # ---------------------------------------------------------------------------
 # the plan: everything decided before the model is loaded
 
@@ -370,15 +361,7 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
         method_config: dict[str, Any] = {"aux_layers": aux, "supervision": str(supervision), "draft_vocab_size": draft}
     else:
         schema = layers_schema(selection, hidden, DTYPES[cfg.dtype], cfg.encodings)
-        method_config = {
-            "layers": list(selection.layers),
-            "last_hidden": selection.last_hidden,
-            "last_prenorm": selection.last_prenorm,
-            "num_layers": num_layers,
-            "architecture": (getattr(model_config, "architectures", None) or [type(model_config).__name__])[0],
-            "model_type": getattr(model_config, "model_type", None),
-            "features": {f.key: f.to_json() for f in selection.features()},
-        }
+        method_config = selection.manifest_config(model_config)
     fmt = chat_format(tokenizer, cfg.chat_template, cfg.reasoning, cfg.system_prompt, _pinned_date(cfg))
     samples, stats = _load_data(cfg, tokenizer, fmt, comm or LocalComm())
     if not samples:

@@ -22,7 +22,16 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Encoding", "PartLayout", "RawEncoding", "get_encoding", "register_encoding", "ENCODINGS", "part_name"]
+__all__ = [
+    "Encoding",
+    "PartLayout",
+    "RawEncoding",
+    "get_encoding",
+    "parse_encodings",
+    "register_encoding",
+    "ENCODINGS",
+    "part_name",
+]
 
 
 @dataclass(frozen=True)
@@ -120,6 +129,21 @@ def register_encoding(encoding: Encoding) -> Encoding:
     """Make ``encoding`` available by its name to writers and readers."""
     ENCODINGS[encoding.name] = encoding
     return encoding
+
+
+def parse_encodings(text: str) -> dict[str, str]:
+    """Parse ``--encode KEY=ENCODING,...`` (e.g. ``aux_hidden_states=fp8,last_hidden_state=zbf16``).
+
+    Raises:
+        ValueError: an item that is not ``KEY=ENCODING``.
+    """
+    out: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, enc = item.partition("=")
+        if not sep or not key or not enc:
+            raise ValueError(f"--encode item {item!r} must look like KEY=ENCODING (e.g. aux_hidden_states=fp8)")
+        out[key.strip()] = enc.strip()
+    return out
 
 
 def get_encoding(name: str) -> Encoding:
