@@ -377,10 +377,14 @@ def test_nemo_eagle3_export_read_by_the_upstream_reader_equals_the_live_forward(
     assert aux == ([0, 3, 7] if extra else [1, 3, 4]) and len(selected) == (1024 if extra else 300)
     norm = lv.model.get_decoder().norm
     for i, s in enumerate(lv.samples):
+        # The draft's view, as NeMo's target.py shifts it: slot j holds row j's aux states and, shifted left by one
+        # with a zero tail, token j + 1, its loss mask and row j + 1's distribution.
         got, t = ds[i], len(s.input_ids)
         assert set(got) == set(nemo.CACHE_KEYS)
         assert got["attention_mask"].tolist() == [1] * t + [0] * (MAX_LENGTH - t)
-        assert got["input_ids"][:t].tolist() == s.input_ids
+        assert got["input_ids"][:t].tolist() == [*s.input_ids[1:], 0]
+        loss_mask = torch.tensor([*s.loss_mask[1:], 0], dtype=torch.bool)
+        assert torch.equal(got["loss_mask"][:t].bool(), loss_mask)
         cached = got["aux_hidden_states"][:t].view(t, 3, 64)
         for j, layer in enumerate(aux):
             if layer == L - 1:
@@ -388,13 +392,14 @@ def test_nemo_eagle3_export_read_by_the_upstream_reader_equals_the_live_forward(
                     assert torch.equal(norm(cached[:, j]), lv.hidden[i][L])
             else:
                 assert torch.equal(cached[:, j], lv.feature(i, layer))
-        want = torch.softmax(lv.logits[i][:, selected].float(), dim=-1)
+        shifted = torch.cat((lv.logits[i][1:], torch.zeros_like(lv.logits[i][:1])))
+        want = torch.softmax(shifted[:, selected].float(), dim=-1)
         if extra:  # the whole vocabulary: the same product as the live LM head, bit for bit
             assert torch.equal(got["target_probs"][:t], want)
         else:
             torch.testing.assert_close(got["target_probs"][:t], want, rtol=1e-5, atol=1e-7)
-        in_draft = torch.isin(lv.logits[i].argmax(-1), selected)
-        loss_mask = torch.tensor(s.loss_mask, dtype=torch.bool)
+        assert torch.allclose(got["target_probs"][t - 1], torch.full((len(selected),), 1 / len(selected)))
+        in_draft = torch.isin(shifted.argmax(-1), selected)
         assert torch.equal(got["position_mask"][:t, 0], loss_mask & in_draft)
         assert not got["position_mask"][t:].any() and not got["target_probs"][t:].any()
 
@@ -418,14 +423,19 @@ def test_import_of_a_nemo_eagle3_cache_gives_back_what_its_reader_yields(runs, t
     nemo = _upstream("eagle3_cache", monkeypatch).CachedEagle3Dataset(str(nemo_dir))
     ds = Eagle3CacheDataset(str(imported))
     assert _config(str(imported))["supervision"] == "probs" and len(ds) == len(nemo) == LIMIT
+    original = Eagle3CacheDataset(runs(source)) if source == "eagle3_bs1" else eagle3_dataset(runs(source), [0, 3, 7])
     for i in range(LIMIT):
+        # T NeMo slots make T - 1 rows: row r is slot r + 1's aux states and slot r's token, mask and distribution
         want, got = nemo[i], ds[i]
         t = int(want["attention_mask"].sum())
-        assert got["input_ids"].tolist() == want["input_ids"][:t].tolist()
-        assert torch.equal(got["loss_mask"], want["loss_mask"][:t].bool())
-        assert torch.equal(got["aux_hidden_states"], want["aux_hidden_states"][:t])
-        assert torch.equal(got["target_probs"], want["target_probs"][:t])
-        assert torch.equal(got["position_mask"], want["position_mask"][:t, 0])
+        assert got["input_ids"].tolist() == want["input_ids"][: t - 1].tolist()
+        assert torch.equal(got["loss_mask"], want["loss_mask"][: t - 1].bool())
+        assert torch.equal(got["aux_hidden_states"], want["aux_hidden_states"][1:t])
+        assert torch.equal(got["target_probs"], want["target_probs"][: t - 1])
+        assert torch.equal(got["position_mask"], want["position_mask"][: t - 1, 0])
+        # and it is the original cache's sample from its second token on
+        assert torch.equal(got["input_ids"], original[i]["input_ids"][1:].to(got["input_ids"].dtype))
+        assert torch.equal(got["aux_hidden_states"], original[i]["aux_hidden_states"][1:])
 
 
 def test_a_resumed_layers_run_writes_the_same_bytes(runs, tmp_path):
@@ -477,9 +487,9 @@ def test_import_of_a_top_k_nemo_eagle3_cache_written_by_the_upstream_module(tmp_
     assert _config(out)["supervision"] == f"topk:{k}" and _config(out)["hidden_size"] == 4
     reader, ds = nemo.CachedEagle3Dataset(src), Eagle3CacheDataset(out)
     assert torch.equal(ShardFile(f"{out}/eagle3_side.safetensors").tensor("selected_token_ids"), torch.tensor(selected))
-    for i in range(n):
+    for i in range(n):  # T slots make T - 1 rows (a one-token sample none)
         want, got, t = reader[i], ds[i], int(lengths[i])
-        assert got["input_ids"].tolist() == want["input_ids"][:t].tolist()
-        assert torch.equal(got["aux_hidden_states"], want["aux_hidden_states"][:t])
-        assert torch.equal(got["target_probs"], want["target_probs"][:t])
-        assert torch.equal(got["position_mask"], want["position_mask"][:t, 0])
+        assert got["input_ids"].tolist() == want["input_ids"][: t - 1].tolist()
+        assert torch.equal(got["aux_hidden_states"], want["aux_hidden_states"][1:t])
+        assert torch.equal(got["target_probs"], want["target_probs"][: t - 1])
+        assert torch.equal(got["position_mask"], want["position_mask"][: t - 1, 0])

@@ -15,12 +15,23 @@ home project's ``dspark_cache.py`` and ``eagle3_cache.py`` (nemo-automodel 0.7.0
   ``lm_head(last_hidden_state)``, computed here from the stored last hidden state
   and LM-head rows; ``target_embeddings.safetensors`` (fp32 ``weight``). Source:
   an EAGLE-3 cache with ``hidden`` supervision, or a layers cache holding the aux layers.
+  The layout is the draft's view of a sample, as NeMo's producer writes it
+  (``nemo_automodel/components/speculative/eagle/target.py``: ``_shift_left_with_zero``
+  of the token ids, the loss mask and the logits; ``eagle/core.py``:
+  ``_compute_target_distribution``): slot ``j`` holds ``aux_hidden_states`` of row ``j``
+  and, shifted left by one with a zero tail, ``input_ids[j + 1]``, ``loss_mask[j + 1]``,
+  the target distribution of row ``j + 1`` (the softmax of zero logits, i.e. uniform, at
+  the last slot) and ``position_mask`` = ``loss_mask[j + 1] & in_draft[j + 1]``.
 
-``speccache import --from nemo-eagle3 NEMO_DIR OUT`` goes the other way where that
-is lossless: a NeMo EAGLE-3 cache becomes a speccache EAGLE-3 cache with ``probs``
-(or, for a top-k cache, ``topk:K``) supervision, padding dropped by its
-``attention_mask``. A NeMo DSpark cache has no attention mask, so its padding
-cannot be told from tokens: it is not imported.
+``speccache import --from nemo-eagle3 NEMO_DIR OUT`` goes the other way: a NeMo EAGLE-3
+cache becomes a speccache EAGLE-3 cache with ``probs`` (or, for a top-k cache, ``topk:K``)
+supervision, padding dropped by its ``attention_mask``. NeMo's shifted slots do not keep a
+sample's first token, so a sample of ``T`` slots becomes ``T - 1`` speccache rows, row ``r``
+being the target's state after the sample's token ``r + 1``: ``aux_hidden_states`` of slot
+``r + 1`` and the token, loss mask, distribution and position mask of slot ``r``; every
+value NeMo's trainer reads at slots ``1..T-1`` is kept as it is (slot 0's draft step is
+what the first token would have fed). A NeMo DSpark cache has no attention mask, so its
+padding cannot be told from tokens: it is not imported.
 
 Export streams one output shard at a time (memory bounded by one padded shard),
 prints the size it will take before writing, writes the manifest with
@@ -63,6 +74,11 @@ def _pad(samples: Sequence[dict[str, torch.Tensor]], key: str, length: int, dtyp
     return out
 
 
+def _shift_left(t: torch.Tensor) -> torch.Tensor:
+    """Row ``j`` of the result is row ``j + 1`` of ``t``; the last row is zeros (NeMo's ``_shift_left_with_zero``)."""
+    return torch.cat((t[1:], torch.zeros_like(t[:1])))
+
+
 def _side(source: CacheSource, name: str) -> dict[str, torch.Tensor]:
     side = ShardFile(source.side_file(name))
     return {k: side.tensor(k).clone() for k in side.keys()}
@@ -87,11 +103,14 @@ class _Eagle3Shard:
     def __call__(self, samples: list[dict[str, torch.Tensor]], length: int) -> dict[str, torch.Tensor]:
         dtype = samples[0]["aux_hidden_states"].dtype
         for s in samples:
-            # As NeMo's producer stores it: softmax (fp32) of the selected columns of lm_head(hidden), cache dtype.
+            # As NeMo's producer stores it: softmax (fp32) of the selected columns of lm_head(hidden), cache dtype,
+            # of the logits shifted left with a zero tail (whose softmax is uniform).
             logits = torch.nn.functional.linear(s["last_hidden_state"].to(self.weight.dtype), self.weight)
-            s["target_probs"] = torch.softmax(logits.float(), dim=-1).to(dtype)
+            s["target_probs"] = torch.softmax(_shift_left(logits).float(), dim=-1).to(dtype)
             in_draft = s.get("in_draft")
-            s["position_mask"] = (s["loss_mask"] if in_draft is None else s["loss_mask"] & in_draft)[:, None]
+            supervised = s["loss_mask"] if in_draft is None else s["loss_mask"] & in_draft
+            s["position_mask"] = _shift_left(supervised)[:, None]
+            s["input_ids"], s["loss_mask"] = _shift_left(s["input_ids"]), _shift_left(s["loss_mask"])
             s["attention_mask"] = torch.ones(s["input_ids"].shape[0], dtype=torch.int64)
         out = {
             "input_ids": _pad(samples, "input_ids", length, torch.int64),
@@ -260,21 +279,24 @@ def _ragged_rows(path: str, full_vocab: bool, topk: bool) -> dict[str, torch.Ten
             f"{path}: not importable without loss: attention_mask must be a 0/1 prefix (right padding), loss_mask "
             "0/1, and position_mask equal to loss_mask when the draft vocabulary is the whole vocabulary"
         )
+    # Slots 0..T-2 of the shifted keys and slots 1..T-1 of the aux states make rows 0..T-2 (see the module docstring).
+    shifted = attention & (torch.arange(attention.shape[1])[None] < (lengths - 1)[:, None])
+    aux_slots = torch.roll(shifted, 1, dims=1)
     rows = {
-        "input_ids": t["input_ids"][attention].to(torch.int32),
-        "loss_mask": t["loss_mask"][attention].bool(),
-        "aux_hidden_states": t["aux_hidden_states"][attention],
-        LENGTHS_KEY: lengths.to(torch.int64),
+        "input_ids": t["input_ids"][shifted].to(torch.int32),
+        "loss_mask": t["loss_mask"][shifted].bool(),
+        "aux_hidden_states": t["aux_hidden_states"][aux_slots],
+        LENGTHS_KEY: (lengths - 1).clamp_min(0).to(torch.int64),
         SOURCE_ROW_KEY: torch.full((attention.shape[0],), -1, dtype=torch.int64),
     }
     if topk:
-        rows["topk_probs"] = t["target_probs_values"][attention]
-        rows["topk_ids"] = t["target_probs_indices"][attention].to(torch.int32)
+        rows["topk_probs"] = t["target_probs_values"][shifted]
+        rows["topk_ids"] = t["target_probs_indices"][shifted].to(torch.int32)
     else:
-        rows["target_probs"] = t["target_probs"][attention]
+        rows["target_probs"] = t["target_probs"][shifted]
     if not full_vocab:
         # speccache's position_mask is loss_mask & in_draft: storing NeMo's position_mask as in_draft gives it back.
-        rows["in_draft"] = position[attention]
+        rows["in_draft"] = position[shifted]
     return rows
 
 
