@@ -329,3 +329,21 @@ def test_an_import_compresses_with_any_encoding_and_keeps_the_samples(runs, tiny
         torch.testing.assert_close(
             imported[i]["last_hidden_state"], original[i]["last_hidden_state"], rtol=0.07, atol=0.02
         )
+
+
+@_needs("specforge")
+def test_a_view_exports_the_samples_it_selects(runs, tmp_path, capsys):
+    from specforge.runtime.data_plane.feature_store import load_feature_file
+    from specforge.runtime.data_plane.offline_reader import list_feature_files
+
+    view, out = tmp_path / "view", tmp_path / "sf"
+    assert main(["subset", runs("eagle3"), "--out", str(view), "--where", "tokens >= 60"]) == 0
+    selected = Eagle3CacheDataset(str(view))
+    assert 0 < len(selected) < LIMIT
+    _export(str(view), out, "specforge", capsys)
+    files = list_feature_files(str(out))
+    assert len(files) == len(selected)
+    for i, path in enumerate(files):
+        raw = load_feature_file(path)
+        assert raw["input_ids"].tolist() == selected[i]["input_ids"].tolist()
+        assert torch.equal(raw["hidden_state"][0], selected[i]["last_hidden_state"])

@@ -35,6 +35,7 @@ from speccache.errors import CacheExistsError, CacheFormatError
 from speccache.format import Manifest, ShardFile, atomic_write, write_safetensors
 from speccache.methods import eagle3, layers
 from speccache.read import CacheDataset
+from speccache.read.source import CacheSource, open_source
 from speccache.units import human_bytes
 
 __all__ = [
@@ -92,10 +93,10 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().clone()
 
 
-def _specforge(cache_dir: str, manifest: Manifest, layer_ids: Sequence[int] | None) -> _Export:
+def _specforge(cache_dir: str, source: CacheSource, layer_ids: Sequence[int] | None) -> _Export:
     vocab: dict[str, torch.Tensor] | None = None
-    if manifest.cache_name == eagle3.CACHE_NAME:
-        supervision = manifest.config.get("supervision", "hidden")
+    if source.cache_name == eagle3.CACHE_NAME:
+        supervision = source.config.get("supervision", "hidden")
         if supervision != "hidden":
             raise CacheFormatError(
                 f"{cache_dir}: --to specforge stores the final-norm output (SpecForge's hidden_state); this cache "
@@ -104,14 +105,14 @@ def _specforge(cache_dir: str, manifest: Manifest, layer_ids: Sequence[int] | No
         ds: CacheDataset = eagle3.Eagle3CacheDataset(
             cache_dir, keys=["input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"]
         )
-        side = ShardFile(os.path.join(cache_dir, eagle3.SIDE_FILE))
-        if int(manifest.config["draft_vocab_size"]) < int(manifest.config["vocab_size"]):
+        side = ShardFile(source.side_file(eagle3.SIDE_FILE))
+        if int(source.config["draft_vocab_size"]) < int(source.config["vocab_size"]):
             vocab = {"d2t": side.tensor("d2t").clone(), "t2d": side.tensor("t2d").clone()}
-    elif manifest.cache_name == layers.CACHE_NAME:
+    elif source.cache_name == layers.CACHE_NAME:
         ds = layers.eagle3_dataset(cache_dir, layer_ids)
     else:
         raise CacheFormatError(
-            f"{cache_dir}: --to specforge reads an eagle3 or layers cache, not a {manifest.cache_name!r} one"
+            f"{cache_dir}: --to specforge reads an eagle3 or layers cache, not a {source.cache_name!r} one"
         )
 
     def sample_files(out: str, index: int, s: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
@@ -130,13 +131,13 @@ def _specforge(cache_dir: str, manifest: Manifest, layer_ids: Sequence[int] | No
     return _Export(ds, sample_files, _torch_save, finish)
 
 
-def _specforge_dflash_family(dspark: bool) -> Callable[[str, Manifest, Sequence[int] | None], _Export]:
-    def plan(cache_dir: str, manifest: Manifest, layer_ids: Sequence[int] | None) -> _Export:
+def _specforge_dflash_family(dspark: bool) -> Callable[[str, CacheSource, Sequence[int] | None], _Export]:
+    def plan(cache_dir: str, source: CacheSource, layer_ids: Sequence[int] | None) -> _Export:
         to = SPECFORGE_DSPARK if dspark else SPECFORGE_DFLASH
-        if manifest.cache_name != layers.CACHE_NAME:
+        if source.cache_name != layers.CACHE_NAME:
             raise CacheFormatError(
                 f"{cache_dir}: --to {to} reads a layers cache (--method dspark, dflash or layers), "
-                f"not a {manifest.cache_name!r} cache"
+                f"not a {source.cache_name!r} cache"
             )
         ds = (layers.dspark_dataset if dspark else layers.dflash_dataset)(cache_dir, layer_ids)
 
@@ -155,17 +156,17 @@ def _specforge_dflash_family(dspark: bool) -> Callable[[str, Manifest, Sequence[
     return plan
 
 
-def _speculators(cache_dir: str, manifest: Manifest, layer_ids: Sequence[int] | None) -> _Export:
-    if manifest.cache_name != layers.CACHE_NAME:
+def _speculators(cache_dir: str, source: CacheSource, layer_ids: Sequence[int] | None) -> _Export:
+    if source.cache_name != layers.CACHE_NAME:
         raise CacheFormatError(
             f"{cache_dir}: --to speculators needs the last decoder layer's output before the final norm, which only "
-            f"a layers cache stores; this is a {manifest.cache_name!r} cache. Write one with --method layers "
+            f"a layers cache stores; this is a {source.cache_name!r} cache. Write one with --method layers "
             "--layers A,B,C --last-prenorm"
         )
-    num_layers = int(manifest.config["num_layers"])
+    num_layers = int(source.config["num_layers"])
     aux = list(layer_ids) if layer_ids is not None else eagle3.default_aux_layers(num_layers)
     ds = layers.LayerFeatureDataset(cache_dir, {"hidden_states": [*aux, num_layers - 1]}, prenorm=True)
-    hidden = int(manifest.config["hidden_size"])
+    hidden = int(source.config["hidden_size"])
 
     def sample_files(out: str, index: int, s: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
         ids = s["input_ids"].to(torch.int64)
@@ -228,24 +229,25 @@ def export_peer(
         raise ValueError(f"--to {to!r} is unknown; choose one of {', '.join(LAYOUTS)}")
     if os.path.isdir(out) and os.listdir(out):
         raise CacheExistsError(f"--out {out} is not empty; export into a new or empty directory")
-    manifest = Manifest.read(cache_dir)
+    source = open_source(cache_dir)  # a cache or a view: a view exports the samples it selects
     plans = {
         SPECFORGE: _specforge,
         SPECFORGE_DFLASH: _specforge_dflash_family(dspark=False),
         SPECFORGE_DSPARK: _specforge_dflash_family(dspark=True),
         SPECULATORS: _speculators,
     }
-    export = plans[to](cache_dir, manifest, layer_ids)
+    export = plans[to](cache_dir, source, layer_ids)
     ds = export.dataset
+    tokens = sum(ds.sample_lengths())
     if len(ds):
         # Every stored feature is per token, so the first sample's bytes per token give the total.
         first = export.sample_files(out, 0, dict(ds[0]))
         nbytes = sum(t.numel() * t.element_size() for f in first.values() for t in f.values())
-        total = nbytes * manifest.num_tokens // max(1, ds[0]["input_ids"].numel())
+        total = nbytes * tokens // max(1, ds[0]["input_ids"].numel())
     else:
         total = 0
     log(
-        f"speccache export: {len(ds)} samples, {manifest.num_tokens} tokens -> {out} ({to}, one file per sample): "
+        f"speccache export: {len(ds)} samples, {tokens} tokens -> {out} ({to}, one file per sample): "
         f"about {human_bytes(total)}"
     )
     os.makedirs(out, exist_ok=True)
