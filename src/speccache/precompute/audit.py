@@ -174,8 +174,8 @@ def _rows_not_finite(value: torch.Tensor) -> torch.Tensor:
 def _compare_weight_rows(path: str, name: str, stored: torch.Tensor, live: torch.Tensor) -> list[str]:
     """Row by row, so that weights that are NaN or Inf are named as such rather than as a mismatch."""
     if stored.shape != live.shape:
-        return [f"{path}: {name} differs from the live model's weights (shape {list(stored.shape)}, "
-                f"the model's {list(live.shape)})"]  # fmt: skip
+        shapes = f"shape {list(stored.shape)}, the model's {list(live.shape)}"
+        return [f"{path}: {name} differs from the live model's weights ({shapes})"]
     stored = stored.to(live.dtype)
     problems = []
     broken = torch.zeros(live.shape[0], dtype=torch.bool)
@@ -212,12 +212,15 @@ def _check_side_weights(cache_dir: str, model: torch.nn.Module, report: AuditRep
         side.close()
 
 
-def _nonfinite_live(index: int, model_dir: str, model: torch.nn.Module) -> str:
-    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+def _nonfinite_parameters(model: torch.nn.Module) -> list[str]:
+    return [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+
+
+def _nonfinite_live(index: int, model_dir: str, compute_dtype: torch.dtype, bad: list[str]) -> str:
     cause = (
         f"its weights {', '.join(bad[:3])}{' and more' if len(bad) > 3 else ''} hold NaN or Inf"
         if bad
-        else f"its weights are finite, so the forward overflows in {next(model.parameters()).dtype}"
+        else f"its weights are finite, so the forward overflows in {compute_dtype}"
     )
     return (
         f"sample {index}: the target's live forward is not finite (NaN or Inf): {model_dir} is broken ({cause}); "
@@ -236,9 +239,13 @@ def _live_rows(live: Mapping[str, torch.Tensor], schema: Mapping[str, Any], posi
 
 
 def _compare(
-    index: int, sample: Any, live: Mapping[str, torch.Tensor], manifest: Manifest, compute_dtype: torch.dtype,
+    index: int,
+    sample: Any,
+    live: Mapping[str, torch.Tensor],
+    manifest: Manifest,
+    compute_dtype: torch.dtype,
     report: AuditReport,
-) -> None:  # fmt: skip
+) -> None:
     for key, spec in manifest.schema.items():
         if key in INPUT_KEYS or key not in live:
             continue
@@ -270,7 +277,8 @@ def audit_cache(
     """Re-run the target on the batches of ``samples`` random samples and compare every stored feature.
 
     Each drawn sample is recomputed in the batch precompute computed it in (the manifest's ``batch_size``
-    consecutive samples, padded alike), so the forward is the one that wrote it, not one of another batch shape.
+    consecutive samples, padded alike; batch size 1 for a manifest that records none), so the forward is the one
+    that wrote it, not one of another batch shape.
 
     Args:
         cache_dir: the cache (sealed or not: its whole shards are read), or a view (samples drawn from the view).
@@ -321,6 +329,7 @@ def audit_cache(
         src = manifests[source]
         span = batch_span(local, int(src.config.get("batch_size") or 1), src.num_samples)
         batches.setdefault((source, span), []).append((index, local))
+    nonfinite_parameters: list[str] | None = None  # searched once, when a live forward is first not finite
     for (source, span), members in batches.items():
         if source not in computes:  # each source's own side file (its draft vocabulary) and weight rows
             computes[source] = TARGETS[manifest.cache_name](dirs[source], config, loaded.model)
@@ -335,7 +344,9 @@ def audit_cache(
             report.samples.append(index)
             rows = _live_rows(live, manifest.schema, local - span.start)
             if not rows["loss_mask"].any():  # the guard cleared it: see speccache.methods.finite
-                report.problems.append(_nonfinite_live(index, model_dir, loaded.model))
+                if nonfinite_parameters is None:
+                    nonfinite_parameters = _nonfinite_parameters(loaded.model)
+                report.problems.append(_nonfinite_live(index, model_dir, compute_dtype, nonfinite_parameters))
                 continue
             _compare(index, sample, rows, manifests[source], compute_dtype, report)
     return report
