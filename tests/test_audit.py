@@ -180,3 +180,13 @@ def test_nonfinite_embedding_rows_are_named_as_such(caches):
         f"{side}: embed_tokens holds NaN or Inf in 1 of 1024 rows of the live model's weights (first: row 0); "
         "the model directory's weights are broken"
     ]
+
+
+def test_appended_cache_is_recomputed_in_its_own_batches(caches, tmp_path):
+    out = str(tmp_path / "appended")
+    args = ["precompute", "--model", caches["model"], "--out", out, *COMMON, "--dtype", "fp32", "--aux-layers", "1,3,4"]
+    assert main([*args, "--limit", "3"]) == 0  # a short last batch [2, 3), recomputed as [2, 4) by the append
+    assert main([*args, "--data", demo_data_path("openai"), "--limit", "3", "--append"]) == 0
+    report = audit_cache(out, samples=100)
+    assert report.ok and report.samples == list(range(6))
+    assert {e["max_error"] for e in report.keys.values()} == {0.0}
