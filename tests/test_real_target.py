@@ -46,7 +46,6 @@ def test_tokenizer_splits_digits_and_knows_its_length(real_model):
 
 
 def test_fingerprint_change_rebuilds_and_a_foreign_dir_is_refused(tmp_path, monkeypatch):
-    pytest.importorskip("gguf")
     try:
         rt.real_target_gguf()
     except ModuleNotFoundError as exc:
