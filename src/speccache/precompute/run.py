@@ -462,6 +462,11 @@ class TokenizedDataset(Dataset):
         }
 
 
+def batch_pad_id(tokenizer: Any) -> int:
+    """The token id batches are right-padded with: the tokenizer's pad token, else 0."""
+    return tokenizer.pad_token_id if isinstance(tokenizer.pad_token_id, int) else 0
+
+
 def pad_tokens(items: list[dict[str, torch.Tensor]], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """Right-pad token samples into a batch with ``attention_mask``."""
     longest = max(t["input_ids"].numel() for t in items)
@@ -560,7 +565,7 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
     else:
         target = LayersTarget(model, plan.selection, DTYPES[cfg.dtype], cfg.nonfinite)
 
-    pad_id = plan.tokenizer.pad_token_id if isinstance(plan.tokenizer.pad_token_id, int) else 0
+    pad_id = batch_pad_id(plan.tokenizer)
     dataset: Dataset = TokenizedDataset(plan.samples)
     loader = DataLoader(
         dataset if extension is None else AppendedDataset(extension, dataset),

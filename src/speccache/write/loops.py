@@ -29,6 +29,7 @@ __all__ = [
     "LOCKSTEP_SYNC_EVERY",
     "ShardAccumulator",
     "WriteShardFn",
+    "batch_span",
     "compute_shard_runs",
     "partition_cache_shards",
     "subset_loader",
@@ -59,6 +60,16 @@ def partition_cache_shards(num_samples: int, shard_size: int, world_size: int, r
     start_sample = start_shard * shard_size
     end_sample = min((start_shard + local_shards) * shard_size, num_samples)
     return start_shard, start_sample, max(0, end_sample - start_sample)
+
+
+def batch_span(index: int, batch_size: int, num_samples: int) -> range:
+    """The samples :func:`compute_shard_runs` computes in one forward together with sample ``index``.
+
+    A run starts at a shard boundary, a multiple of the batch size (``--shard-size`` is one), so every batch,
+    in any resume, append or distributed run, is ``[k * batch_size, (k + 1) * batch_size)`` cut at the end.
+    """
+    start = index - index % batch_size
+    return range(start, min(start + batch_size, num_samples))
 
 
 def subset_loader(
