@@ -25,6 +25,7 @@ from speccache.errors import CacheFormatError
 from speccache.format import ShardFile, load_manifest_json, manifest_path
 from speccache.methods.eagle3 import Eagle3CacheDataset, build_eagle3_dataloader
 from speccache.methods.layers import (
+    PRESETS,
     SIDE_FILE,
     LayerFeatureDataset,
     build_layer_dataloader,
@@ -34,6 +35,7 @@ from speccache.methods.layers import (
     dspark_layer_ids,
     eagle3_dataset,
     mtp_dataset,
+    preset_selection,
 )
 
 LIMIT = 6
@@ -198,6 +200,33 @@ def test_preset_layer_choices():
     assert dflash_layer_ids(36) == [1, 9, 17, 25, 33]  # DFlash's build_target_layer_ids(36, 5)
     assert dflash_layer_ids(L) == [1, 2, 3, 4, 5]
     assert dflash_layer_ids(L, 1) == [4] and dspark_layer_ids(L, 1) == [7]
+
+
+def _upstream_dflash(num_layers: int, k: int) -> list[int]:
+    # DFlash's build_target_layer_ids (z-lab/dflash model/utils.py), the formula its 5 ids follow
+    if k == 1:
+        return [num_layers // 2]
+    return [int(round(1 + (i * (num_layers - 4)) / (k - 1))) for i in range(k)]
+
+
+@pytest.mark.parametrize("method", sorted(PRESETS))
+def test_every_preset_picks_valid_distinct_layers_at_any_depth(method):
+    for depth in range(1, 41):
+        if method == "layers":  # no default ids: the user names them
+            with pytest.raises(ValueError, match="--method layers needs --layers"):
+                preset_selection(method, depth, None, False, False)
+            continue
+        selection = preset_selection(method, depth, None, False, False)  # LayerSelection refuses bad or repeated ids
+        ids = list(selection.layers)
+        assert all(0 <= i <= depth - 1 for i in ids), (depth, ids)
+        if method == "dspark":
+            assert len(ids) == min(5, max(1, depth - 1)) and ids[-1] == depth - 1, (depth, ids)
+        elif method == "dflash":
+            assert len(ids) == max(1, min(5, depth - 3)), (depth, ids)
+            assert depth < 8 or ids == _upstream_dflash(depth, 5), (depth, ids)
+            assert depth > 4 or ids == [depth // 2], (depth, ids)
+        else:
+            assert ids == [] and selection.last_hidden
 
 
 # ---------------------------------------------------------------------------
