@@ -16,6 +16,7 @@ from speccache.cli import main
 from speccache.demo import build_tiny_model_dir, demo_data_path
 from speccache.errors import CacheIncompleteError, ConfigMismatchError
 from speccache.format import load_manifest_json, manifest_path
+from speccache.format.manifest import write_manifest_file
 from speccache.methods import finite
 from speccache.precompute.run import PrecomputeConfig, run_precompute
 from speccache.read import CacheDataset
@@ -106,6 +107,24 @@ def test_append_with_other_settings_is_refused(setup):
                                dtype="bf16", model_dtype="fp32", append=True, nonfinite="skip")  # fmt: skip
         run_precompute(cfg, progress=False)
     assert load_manifest_json(manifest_path(out)) == before
+    # Without --nonfinite skip the old partial shard's cleared samples could not be recomputed: refused up front.
+    with pytest.raises(ConfigMismatchError, match="config.nonfinite: cache has 'skip', this run has 'fail'"):
+        cfg = PrecomputeConfig(model=model, data=paths["b"], out=out, batch_size=2, shard_size=4, max_length=96,
+                               dtype="fp32", model_dtype="fp32", append=True)  # fmt: skip
+        run_precompute(cfg, progress=False)
+    assert load_manifest_json(manifest_path(out)) == before
+
+
+def test_a_cache_older_than_the_nonfinite_field_reads_as_fail(setup):
+    model, paths, _, base = setup
+    out = str(base / "older")
+    default = COMMON[: COMMON.index("--nonfinite")]
+    assert main(["precompute", "--model", model, "--data", paths["a"], "--out", out, *default]) == 0
+    body = load_manifest_json(manifest_path(out))
+    assert body["config"].pop("nonfinite") == "fail"
+    write_manifest_file(out, body)  # as a cache written before the field existed
+    assert main(["precompute", "--model", model, "--data", paths["b"], "--out", out, *default, "--append"]) == 0
+    assert load_manifest_json(manifest_path(out))["config"]["nonfinite"] == "fail"
 
 
 @pytest.mark.parametrize("fault", ["after_manifest_begin", "mid_shard_write:1", "mid_manifest_write:1", "before_seal"])

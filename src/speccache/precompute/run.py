@@ -409,6 +409,7 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
         "system_prompt": cfg.system_prompt,
         "reasoning": cfg.reasoning,
         "chat_date": fmt.date if fmt is not None and fmt.uses_date else None,
+        "nonfinite": cfg.nonfinite,
     }
     return Plan(
         cfg, model_config, tokenizer, samples, stats, aux, vocab_size, hidden, draft, schema, manifest_config, selection

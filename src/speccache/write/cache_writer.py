@@ -53,7 +53,7 @@ from speccache.format import (
     write_safetensors,
 )
 from speccache.format.lock import lock_path
-from speccache.format.manifest import COMPARED_ON_RESUME
+from speccache.format.manifest import COMPARED_ON_RESUME, resume_identity
 from speccache.write.dist import Comm, LocalComm, agree
 from speccache.write.loops import WriteShardFn, partition_cache_shards
 from speccache.write.writers import NativeShardWriter, OverlappedShardWriter
@@ -266,7 +266,7 @@ class CacheWriter:
             )
         body = load_manifest_json(manifest_path(self.cache_dir))
         wanted = self.manifest.resume_identity()
-        found_identity = {key: body.get(key) for key in COMPARED_ON_RESUME}
+        found_identity = resume_identity(body, wanted["config"])
         if self.append_fields is not None:  # an append grows the cache and changes its data, nothing else
             for identity in (found_identity, wanted):
                 identity["num_samples"] = None
