@@ -3,6 +3,7 @@ order; a failed append is finished by the same command; other settings are refus
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ import torch
 from cachecmp import all_samples
 from speccache.cli import main
 from speccache.demo import build_tiny_model_dir, demo_data_path
-from speccache.errors import CacheIncompleteError, ConfigMismatchError
+from speccache.errors import CacheCorruptError, CacheIncompleteError, ConfigMismatchError
 from speccache.format import load_manifest_json, manifest_path
 from speccache.format.manifest import write_manifest_file
 from speccache.methods import finite
@@ -61,11 +62,14 @@ def _same_as_whole(out: str, whole: str) -> None:
                 assert torch.equal(a[key], b[key]), (i, key)
 
 
-def test_append_equals_a_cache_of_the_concatenated_data(setup):
+def test_append_equals_a_cache_of_the_concatenated_data(setup, caplog):
     model, paths, whole, base = setup
     out = str(base / "grown")
     assert _run(model, paths["a"], out) == 0
+    caplog.clear()
     assert _run(model, paths["b"], out, "--append") == 0
+    # the old partial last shard (sample 4 alone) is recomputed as planned: nothing to warn about
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     _same_as_whole(out, whole)
     body = load_manifest_json(manifest_path(out))
     assert body["complete"] and body["num_samples"] == 11
@@ -73,6 +77,18 @@ def test_append_equals_a_cache_of_the_concatenated_data(setup):
     assert body["stats"]["samples"] == 11
     assert body["stats"]["tokens"] == load_manifest_json(manifest_path(whole))["stats"]["tokens"]
     assert _run(model, paths["b"], out, "--append") == 1  # the same data twice: refused, nothing changed
+
+
+def test_a_reader_open_during_an_append_is_told_to_reopen(setup):
+    model, paths, _, base = setup
+    out = str(base / "read-during-append")
+    assert _run(model, paths["a"], out) == 0
+    ds = CacheDataset(out, max_open_shards=1)
+    assert int(ds[0]["source_row"]) == 0
+    assert _run(model, paths["b"], out, "--append") == 0
+    with pytest.raises(CacheCorruptError, match=r"the cache was appended to \(11 samples now, sealed\).*Reopen the"):
+        ds[4]  # its shard now holds samples 4..7
+    assert len(CacheDataset(out)) == 11
 
 
 def test_a_failed_append_is_finished_by_the_same_command(setup, monkeypatch):
@@ -140,10 +156,10 @@ def test_an_append_killed_anywhere_is_finished_by_the_same_command(setup, fault)
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert killed.returncode == -9, killed.stderr[-2000:]
-    try:  # what a reader sees meanwhile: the sealed cache of the first file, or a refusal that says --resume
+    try:  # what a reader sees meanwhile: the sealed cache of the first file, or a refusal naming the append
         assert len(CacheDataset(out)) == 5
     except CacheIncompleteError as exc:
-        assert "--resume" in str(exc)
+        assert "re-running the same precompute --append command" in str(exc)
     assert _run(model, paths["b"], out, "--append") == 0
     _same_as_whole(out, whole)
     shutil.rmtree(out)

@@ -294,6 +294,12 @@ def _rewritten_under_a_reader(e: Env) -> Any:
     return ds[8]
 
 
+def _appended_under_a_reader(e: Env) -> Any:
+    ds = CacheDataset(p := e.cache(), max_open_shards=1)
+    e.edit_manifest(p, lambda m: m.update(complete=False, num_samples=12, config={**m["config"], "appended": [{}]}))
+    return ds[8]
+
+
 def _manifest_a_directory(e: Env) -> Any:
     os.unlink(os.path.join(p := e.cache(), MANIFEST_NAME))
     os.mkdir(os.path.join(p, MANIFEST_NAME))
@@ -353,6 +359,10 @@ TRIGGERS: dict[str, T] = {
         e.edit_manifest(e.cache(), lambda m: m["shards"][2].update(bytes=m["shards"][2]["bytes"] + 8))
     )[8],
     "changed since this reader opened the cache": _rewritten_under_a_reader,
+    "the cache was appended to": _appended_under_a_reader,
+    "an append to it is still running or was interrupted": lambda e: CacheDataset(
+        e.edit_manifest(e.cache(), lambda m: m.update(complete=False, config={**m["config"], "appended": [{}]}))
+    ),
     "is not complete: it is still being written or its writer was interrupted":
         lambda e: CacheDataset(e.edit_manifest(e.cache(), lambda m: m.update(complete=False))),
     "is not valid JSON": lambda e: (Path(p := e.cache(), MANIFEST_NAME).write_text("{"), CacheDataset(p)),

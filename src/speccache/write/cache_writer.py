@@ -303,6 +303,8 @@ class CacheWriter:
 
     def _keep_existing(self, index: int) -> bool:
         path = shard_path(self.cache_dir, index)
+        if self.append_fields is not None and self._grown_by_append(index):
+            return False
         try:
             record = self._record_of_existing(index)
         except (
@@ -314,6 +316,18 @@ class CacheWriter:
             return False
         self.shard_writer.records[index] = record
         return True
+
+    def _grown_by_append(self, index: int) -> bool:
+        """Whether shard ``index`` holds fewer samples than this run's: the cache's old partial last shard, which an
+        append recomputes with the first new samples (an expected rewrite, not a damaged shard to warn about)."""
+        try:
+            shard = NativeShard(shard_path(self.cache_dir, index), self.manifest.schema, index, None)
+        except (SpeccacheError, OSError, ValueError):
+            return False  # a bad shard: _keep_existing's own check reports it
+        try:
+            return shard.num_samples < self.manifest.shard_samples(index)
+        finally:
+            shard.close()
 
     def _record_of_existing(self, index: int) -> ShardRecord:
         """The shard table row of shard ``index`` as found on disk, after checking it whole."""
