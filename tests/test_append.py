@@ -3,6 +3,7 @@ order; a failed append is finished by the same command; other settings are refus
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -14,9 +15,10 @@ import torch
 
 from cachecmp import all_samples
 from speccache.cli import main
+from speccache.data import SKIPPED_ROWS_FILE
 from speccache.demo import build_tiny_model_dir, demo_data_path
 from speccache.errors import CacheCorruptError, CacheIncompleteError, ConfigMismatchError
-from speccache.format import load_manifest_json, manifest_path
+from speccache.format import load_manifest_json, manifest_path, write_bytes_file
 from speccache.format.manifest import write_manifest_file
 from speccache.methods import finite
 from speccache.precompute.run import PrecomputeConfig, run_precompute
@@ -34,7 +36,8 @@ def setup(tmp_path_factory):
     model = build_tiny_model_dir(str(base / "model"), "llama", seed=0)
     with open(demo_data_path("sharegpt")) as f:
         lines = [line for line in f if line.strip()][:11]
-    files = {"a": lines[:5], "b": lines[5:], "ab": lines}
+    # a_bad and b_bad end in a malformed row: with --skip-bad-rows they give a's and b's samples, and one skip each
+    files = {"a": lines[:5], "b": lines[5:], "ab": lines, "a_bad": [*lines[:5], "{\n"], "b_bad": [*lines[5:], "{\n"]}
     paths = {}
     for name, rows in files.items():
         paths[name] = str(base / f"{name}.jsonl")
@@ -60,6 +63,30 @@ def _same_as_whole(out: str, whole: str) -> None:
                 assert int(a[key]) == int(b[key]) - (5 if i >= 5 else 0)
             else:
                 assert torch.equal(a[key], b[key]), (i, key)
+
+
+def _skipped(out: str) -> list[tuple[str, int, str]]:
+    with open(os.path.join(out, SKIPPED_ROWS_FILE)) as f:
+        return [(r["data"], r["row"], r["reason"]) for r in map(json.loads, f)]
+
+
+def test_skipped_rows_of_every_data_file_are_listed_once_naming_it(setup):
+    model, paths, whole, base = setup
+    out = str(base / "skips")
+    assert _run(model, paths["a_bad"], out, "--skip-bad-rows") == 0
+    assert _skipped(out) == [(paths["a_bad"], 5, "malformed")]
+    # as versions before the data field wrote it: such lines list rows of the cache's first data file
+    path = os.path.join(out, SKIPPED_ROWS_FILE)
+    with open(path) as f:
+        legacy = "".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "data"}) + "\n" for line in f)
+    body = load_manifest_json(manifest_path(out))
+    body["side_files"][SKIPPED_ROWS_FILE] = {"bytes": len(legacy), "xxh3_128": write_bytes_file(path, legacy.encode())}
+    write_manifest_file(out, body)
+    assert _run(model, paths["b_bad"], out, "--skip-bad-rows", "--append") == 0
+    _same_as_whole(out, whole)
+    assert _skipped(out) == [(paths["a_bad"], 5, "malformed"), (paths["b_bad"], 6, "malformed")]
+    assert load_manifest_json(manifest_path(out))["stats"]["skipped_rows"] == {"malformed": 2, "nonfinite": 0}
+    assert main(["verify", out]) == 0  # the manifest lists the rewritten file's checksum
 
 
 def test_append_equals_a_cache_of_the_concatenated_data(setup, caplog):
@@ -148,8 +175,19 @@ def test_an_append_killed_anywhere_is_finished_by_the_same_command(setup, fault)
     """A real SIGKILL at each write of the append; the sealed cache stays readable or the rerun completes it."""
     model, paths, whole, base = setup
     out = str(base / f"killed-{fault.replace(':', '-')}")
-    assert _run(model, paths["a"], out) == 0
-    argv = ["precompute", "--model", model, "--data", paths["b"], "--out", out, *COMMON, "--append"]
+    assert _run(model, paths["a_bad"], out, "--skip-bad-rows") == 0
+    argv = [
+        "precompute",
+        "--model",
+        model,
+        "--data",
+        paths["b_bad"],
+        "--out",
+        out,
+        *COMMON,
+        "--skip-bad-rows",
+        "--append",
+    ]
     env = {**os.environ, "SPECCACHE_FAULT": fault, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     killed = subprocess.run(
         [sys.executable, "-m", "speccache.testing.faults", "speccache.cli", *argv],
@@ -160,6 +198,8 @@ def test_an_append_killed_anywhere_is_finished_by_the_same_command(setup, fault)
         assert len(CacheDataset(out)) == 5
     except CacheIncompleteError as exc:
         assert "re-running the same precompute --append command" in str(exc)
-    assert _run(model, paths["b"], out, "--append") == 0
+    assert _run(model, paths["b_bad"], out, "--skip-bad-rows", "--append") == 0
     _same_as_whole(out, whole)
+    assert _skipped(out) == [(paths["a_bad"], 5, "malformed"), (paths["b_bad"], 6, "malformed")]
+    assert main(["verify", out]) == 0
     shutil.rmtree(out)

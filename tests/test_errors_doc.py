@@ -41,6 +41,7 @@ from speccache.offline_cache import (
     write_manifest,
     write_tensor_shard,
 )
+from speccache.precompute.append import plan_append
 from speccache.precompute.audit import audit_cache
 from speccache.precompute.target import Checkpoint, check_shard_target, check_tp_plan
 from speccache.read import CacheDataset
@@ -360,6 +361,9 @@ TRIGGERS: dict[str, T] = {
     )[8],
     "changed since this reader opened the cache": _rewritten_under_a_reader,
     "the cache was appended to": _appended_under_a_reader,
+    "is not one JSON object per line": lambda e: plan_append(
+        str(_touch(Path(e.cache(), "skipped_rows.jsonl"), b"{\n").parent), {"data_hash": "new"}, 1, 4
+    ),
     "an append to it is still running or was interrupted": lambda e: CacheDataset(
         e.edit_manifest(e.cache(), lambda m: m.update(complete=False, config={**m["config"], "appended": [{}]}))
     ),

@@ -75,12 +75,15 @@ class SideFile:
         tensors: called on rank 0 only, when the file is written (so other ranks never build them).
         metadata: the safetensors metadata.
         content: instead of ``tensors``, the file's bytes (e.g. ``skipped_rows.jsonl``), called like ``tensors``.
+        rewritten_on_append: an append writes it again (it covers every data file, e.g. ``skipped_rows.jsonl``);
+            the other side files of a sealed cache are kept as they are.
     """
 
     name: str
     tensors: Callable[[], Mapping[str, torch.Tensor]] | None = None
     metadata: Mapping[str, str] = field(default_factory=dict)
     content: Callable[[], bytes] | None = None
+    rewritten_on_append: bool = False
 
 
 @dataclass
@@ -216,17 +219,22 @@ class CacheWriter:
             # A sealed cache stays sealed (readers keep reading it) unless some rank has a shard to rewrite.
             states = self.comm.all_gather((bool(todo), self._sealed_on_disk is not None))
             if not states[0][1] or any(has_work for has_work, _ in states):
-                agree(self.comm, self._unseal if self.comm.rank == 0 else lambda: None)
+                agree(self.comm, (lambda: self._unseal(side_files)) if self.comm.rank == 0 else lambda: None)
             return todo
         except BaseException:
             self._lock.release()
             raise
 
-    def _unseal(self) -> None:
-        if self._sealed_on_disk is not None:  # rewriting shards of a sealed cache: its side files are the ones listed
-            self.manifest.side_files = dict(self._sealed_on_disk.side_files)
-            self._sealed_on_disk = None
+    def _unseal(self, side_files: tuple[SideFile, ...]) -> None:
+        sealed, self._sealed_on_disk = self._sealed_on_disk, None
+        if sealed is not None:  # rewriting shards of a sealed cache: its side files are the ones listed
+            self.manifest.side_files = dict(sealed.side_files)
         self.manifest.write(self.cache_dir)
+        if sealed is not None and self.append_fields is not None:
+            # Only now: no sealed manifest ever lists a side file that changed after it was written.
+            for side in side_files:
+                if side.rewritten_on_append:
+                    self._write_side_file(side)
 
     def _side_files_intact(self, found: Manifest) -> bool:
         for name, record in found.side_files.items():
