@@ -301,6 +301,11 @@ def _appended_under_a_reader(e: Env) -> Any:
     return ds[8]
 
 
+def _torn_seed_shard(path: str) -> str:
+    os.truncate(shard_path(path, 0), os.path.getsize(shard_path(path, 0)) - 4)
+    return path
+
+
 def _manifest_a_directory(e: Env) -> Any:
     os.unlink(os.path.join(p := e.cache(), MANIFEST_NAME))
     os.mkdir(os.path.join(p, MANIFEST_NAME))
@@ -387,6 +392,7 @@ TRIGGERS: dict[str, T] = {
     "but found shard indices": lambda e: (os.unlink(shard_path(p := e.cache(), 1)), CacheDataset(p)),
     "has no tensor": lambda e: CachedTensorDataset(e.seed_cache(2), "x", 1, ("b",))[0],
     "samples, expected": lambda e: CachedTensorDataset(e.seed_cache(3), "x", 1, ("a",))[0],
+    "not a readable safetensors file": lambda e: CachedTensorDataset(_torn_seed_shard(e.seed_cache(2)), "x", 1, ("a",))[0],
     "file checksum differs from the manifest's shard table": lambda e: (_flip_data_byte(p := e.cache()), _read(p, verify=True)),
     "does not match its checksum": lambda e: (_flip_data_byte(p := e.cache()), verify_tensor_checksums(ShardFile(shard_path(p, 1)))),
     "shard metadata has no readable tensor checksums": _no_checksums,

@@ -22,7 +22,7 @@ from speccache.cli import main
 from speccache.data import load_samples
 from speccache.demo import demo_data_path
 from speccache.errors import CacheFormatError
-from speccache.format import ShardFile, load_manifest_json, manifest_path
+from speccache.format import ShardFile, load_manifest_json, manifest_path, shard_path
 from speccache.methods.eagle3 import Eagle3CacheDataset, build_eagle3_dataloader
 from speccache.methods.layers import (
     PRESETS,
@@ -455,6 +455,52 @@ def test_import_of_a_nemo_eagle3_cache_gives_back_what_its_reader_yields(runs, t
         assert torch.equal(got["aux_hidden_states"], want["aux_hidden_states"][:t])
         assert torch.equal(got["target_probs"], want["target_probs"][:t])
         assert torch.equal(got["position_mask"], want["position_mask"][:t, 0])
+
+
+def _nemo_eagle3_cache(src: str, num_samples: int) -> str:
+    """A NeMo EAGLE-3 cache of 5 samples in shards of 2 (full draft vocabulary) whose manifest says ``num_samples``."""
+    g = torch.Generator().manual_seed(0)
+    n, seq, vocab = 5, 6, 16
+    attention = (torch.arange(seq)[None] < torch.tensor([6, 3, 1, 5, 2])[:, None]).long()
+    loss = attention * torch.randint(0, 2, (n, seq), generator=g)
+    stored = {
+        "input_ids": torch.randint(0, vocab, (n, seq), generator=g) * attention,
+        "attention_mask": attention,
+        "loss_mask": loss,
+        "aux_hidden_states": torch.randn(n, seq, 12, generator=g).to(torch.bfloat16),
+        "position_mask": loss.bool()[..., None],
+        "target_probs": torch.softmax(torch.randn(n, seq, vocab, generator=g), -1).to(torch.bfloat16),
+    }
+    for index, start in enumerate(range(0, n, 2)):
+        shard = {key: v[start : start + 2] for key, v in stored.items()}
+        oc.write_tensor_shard(src, index, shard, tuple(stored), "EAGLE-3")
+    fields = {"num_samples": num_samples, "shard_size": 2, "draft_vocab_size": vocab, "dtype": "bf16"}
+    fields |= {"target_vocab_size": vocab, "aux_hidden_dim": 12, "aux_layer_ids": [1, 2, 3], "seq_length": seq}
+    oc.write_manifest(src, {**fields, "target_model": "m", "selected_token_ids": list(range(vocab))}, 2)
+    save_file, _ = oc.load_safetensors("EAGLE-3")
+    save_file({"weight": torch.randn(vocab, 4, generator=g)}, os.path.join(src, "target_embeddings.safetensors"))
+    return src
+
+
+def test_import_checks_the_nemo_counts_and_every_shard_before_writing(tmp_path, capsys):
+    src = _nemo_eagle3_cache(str(tmp_path / "nemo"), 5)
+    assert main(["import", "--from", "nemo-eagle3", src, str(tmp_path / "good")]) == 0
+    assert main(["verify", str(tmp_path / "good")]) == 0
+    capsys.readouterr()
+    for name, num_samples, damage, message in [
+        ("more", 6, None, "shard-000002.safetensors: tensor 'input_ids' holds 1 samples, expected 2"),
+        ("fewer", 3, None, "declares 3 samples (2 shards of 2) but found shard indices [0, 1, 2]"),
+        ("torn", 5, 1, "shard-000001.safetensors: not a readable safetensors file"),
+    ]:
+        src = _nemo_eagle3_cache(str(tmp_path / f"nemo-{name}"), num_samples)
+        if damage is not None:
+            path = shard_path(src, damage)
+            os.truncate(path, os.path.getsize(path) - 16)
+        out = tmp_path / f"imported-{name}"
+        assert main(["import", "--from", "nemo-eagle3", src, str(out)]) == 1, name
+        err = capsys.readouterr().err
+        assert err.startswith("speccache import: error: ") and message in err and "Traceback" not in err, err
+        assert not out.exists() or not os.listdir(out), name  # refused before anything was written
 
 
 def test_a_resumed_layers_run_writes_the_same_bytes(runs, tmp_path):
