@@ -98,8 +98,8 @@ def dspark_layer_ids(num_layers: int, k: int = DEFAULT_K) -> list[int]:
 def dflash_layer_ids(num_layers: int, k: int = DEFAULT_K) -> list[int]:
     """DFlash's default: ``k`` ids spread evenly over ``[1, L - 3]`` (``build_target_layer_ids`` of its Qwen3 draft).
 
-    DFlash's own formula repeats ids when that range holds fewer than ``k`` (``L < k + 3``) and leaves the layers
-    (``-1`` for ``L = 2``) when it is empty. Here a shallower target gets one id per layer of the range, and one
+    DFlash's own formula repeats ids when that range holds fewer than ``k`` (``L < k + 3``) and, when it is empty,
+    leaves it (down to ``-1`` for ``L = 2``). Here a shallower target gets one id per layer of the range, and one
     whose range holds at most one id (``L <= 4``) gets DFlash's choice for a one-layer draft, ``L // 2``.
     """
     start, end = 1, num_layers - 3

@@ -94,8 +94,8 @@ def plan_append(out: str, run_config: Mapping[str, Any], new_samples: int, shard
         skipped = skipped[: int(appended[-1].get("skipped_rows_before", len(skipped)))]
     else:
         base, stats_before = int(body["num_samples"]), dict(body.get("stats") or {})
-        appended.append({**entry, "first_sample": base, "stats_before": stats_before})
-        appended[-1]["skipped_rows_before"] = len(skipped)  # the lines of the earlier files
+        before = {"first_sample": base, "stats_before": stats_before, "skipped_rows_before": len(skipped)}
+        appended.append({**entry, **before})
     settings = {k: v for k, v in run_config.items() if k not in DATA_FIELDS}
     merged = {**settings, **{k: config[k] for k in DATA_FIELDS if k in config}, "appended": appended}
     tail_start = base - base % shard_size
@@ -104,8 +104,8 @@ def plan_append(out: str, run_config: Mapping[str, Any], new_samples: int, shard
 
 
 def _skipped_lines(out: str, first_data: str) -> list[bytes]:
-    """The lines of the cache's ``skipped_rows.jsonl``, each naming its data file (a line written before lines did
-    names none: it lists a row of the cache's first file, ``first_data``)."""
+    """The lines of the cache's ``skipped_rows.jsonl``, each naming its data file (a line written before lines named
+    theirs lists a row of the cache's first file, ``first_data``)."""
     path = os.path.join(out, SKIPPED_ROWS_FILE)
     if not os.path.exists(path):
         return []
