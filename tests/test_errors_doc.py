@@ -44,6 +44,7 @@ from speccache.offline_cache import (
     write_manifest,
     write_tensor_shard,
 )
+from speccache.precompute.append import plan_append
 from speccache.precompute.audit import audit_cache
 from speccache.precompute.target import Checkpoint, check_shard_target, check_tp_plan
 from speccache.read import CacheDataset
@@ -318,6 +319,17 @@ def _rewritten_under_a_reader(e: Env) -> Any:
     return ds[8]
 
 
+def _appended_under_a_reader(e: Env) -> Any:
+    ds = CacheDataset(p := e.cache(), max_open_shards=1)
+    e.edit_manifest(p, lambda m: m.update(complete=False, num_samples=12, config={**m["config"], "appended": [{}]}))
+    return ds[8]
+
+
+def _torn_seed_shard(path: str) -> str:
+    os.truncate(shard_path(path, 0), os.path.getsize(shard_path(path, 0)) - 4)
+    return path
+
+
 def _manifest_a_directory(e: Env) -> Any:
     os.unlink(os.path.join(p := e.cache(), MANIFEST_NAME))
     os.mkdir(os.path.join(p, MANIFEST_NAME))
@@ -383,6 +395,13 @@ TRIGGERS: dict[str, T] = {
         e.edit_manifest(e.cache(), lambda m: m["shards"][2].update(bytes=m["shards"][2]["bytes"] + 8))
     )[8],
     "changed since this reader opened the cache": _rewritten_under_a_reader,
+    "the cache was appended to": _appended_under_a_reader,
+    "is not one JSON object per line": lambda e: plan_append(
+        str(_touch(Path(e.cache(), "skipped_rows.jsonl"), b"{\n").parent), {"data_hash": "new"}, 1, 4
+    ),
+    "an append to it is still running or was interrupted": lambda e: CacheDataset(
+        e.edit_manifest(e.cache(), lambda m: m.update(complete=False, config={**m["config"], "appended": [{}]}))
+    ),
     "is not complete: it is still being written or its writer was interrupted":
         lambda e: CacheDataset(e.edit_manifest(e.cache(), lambda m: m.update(complete=False))),
     "is not valid JSON": lambda e: (Path(p := e.cache(), MANIFEST_NAME).write_text("{"), CacheDataset(p)),
@@ -403,6 +422,7 @@ TRIGGERS: dict[str, T] = {
     "but found shard indices": lambda e: (os.unlink(shard_path(p := e.cache(), 1)), CacheDataset(p)),
     "has no tensor": lambda e: CachedTensorDataset(e.seed_cache(2), "x", 1, ("b",))[0],
     "samples, expected": lambda e: CachedTensorDataset(e.seed_cache(3), "x", 1, ("a",))[0],
+    "not a readable safetensors file": lambda e: CachedTensorDataset(_torn_seed_shard(e.seed_cache(2)), "x", 1, ("a",))[0],
     "file checksum differs from the manifest's shard table": lambda e: (_flip_data_byte(p := e.cache()), _read(p, verify=True)),
     "does not match its checksum": lambda e: (_flip_data_byte(p := e.cache()), verify_tensor_checksums(ShardFile(shard_path(p, 1)))),
     "shard metadata has no readable tensor checksums": _no_checksums,

@@ -22,9 +22,10 @@ from speccache.cli import main
 from speccache.data import load_samples
 from speccache.demo import demo_data_path
 from speccache.errors import CacheFormatError
-from speccache.format import ShardFile, load_manifest_json, manifest_path
+from speccache.format import ShardFile, load_manifest_json, manifest_path, shard_path
 from speccache.methods.eagle3 import Eagle3CacheDataset, build_eagle3_dataloader
 from speccache.methods.layers import (
+    PRESETS,
     SIDE_FILE,
     LayerFeatureDataset,
     build_layer_dataloader,
@@ -34,6 +35,7 @@ from speccache.methods.layers import (
     dspark_layer_ids,
     eagle3_dataset,
     mtp_dataset,
+    preset_selection,
 )
 
 LIMIT = 6
@@ -198,6 +200,33 @@ def test_preset_layer_choices():
     assert dflash_layer_ids(36) == [1, 9, 17, 25, 33]  # DFlash's build_target_layer_ids(36, 5)
     assert dflash_layer_ids(L) == [1, 2, 3, 4, 5]
     assert dflash_layer_ids(L, 1) == [4] and dspark_layer_ids(L, 1) == [7]
+
+
+def _upstream_dflash(num_layers: int, k: int) -> list[int]:
+    # DFlash's build_target_layer_ids (z-lab/dflash model/utils.py), the formula its 5 ids follow
+    if k == 1:
+        return [num_layers // 2]
+    return [int(round(1 + (i * (num_layers - 4)) / (k - 1))) for i in range(k)]
+
+
+@pytest.mark.parametrize("method", sorted(PRESETS))
+def test_every_preset_picks_valid_distinct_layers_at_any_depth(method):
+    for depth in range(1, 41):
+        if method == "layers":  # no default ids: the user names them
+            with pytest.raises(ValueError, match="--method layers needs --layers"):
+                preset_selection(method, depth, None, False, False)
+            continue
+        selection = preset_selection(method, depth, None, False, False)  # LayerSelection refuses bad or repeated ids
+        ids = list(selection.layers)
+        assert all(0 <= i <= depth - 1 for i in ids), (depth, ids)
+        if method == "dspark":
+            assert len(ids) == min(5, max(1, depth - 1)) and ids[-1] == depth - 1, (depth, ids)
+        elif method == "dflash":
+            assert len(ids) == max(1, min(5, depth - 3)), (depth, ids)
+            assert depth < 8 or ids == _upstream_dflash(depth, 5), (depth, ids)
+            assert depth > 4 or ids == [depth // 2], (depth, ids)
+        else:
+            assert ids == [] and selection.last_hidden
 
 
 # ---------------------------------------------------------------------------
@@ -436,6 +465,52 @@ def test_import_of_a_nemo_eagle3_cache_gives_back_what_its_reader_yields(runs, t
         # and it is the original cache's sample from its second token on
         assert torch.equal(got["input_ids"], original[i]["input_ids"][1:].to(got["input_ids"].dtype))
         assert torch.equal(got["aux_hidden_states"], original[i]["aux_hidden_states"][1:])
+
+
+def _nemo_eagle3_cache(src: str, num_samples: int) -> str:
+    """A NeMo EAGLE-3 cache of 5 samples in shards of 2 (full draft vocabulary) whose manifest says ``num_samples``."""
+    g = torch.Generator().manual_seed(0)
+    n, seq, vocab = 5, 6, 16
+    attention = (torch.arange(seq)[None] < torch.tensor([6, 3, 1, 5, 2])[:, None]).long()
+    loss = attention * torch.randint(0, 2, (n, seq), generator=g)
+    stored = {
+        "input_ids": torch.randint(0, vocab, (n, seq), generator=g) * attention,
+        "attention_mask": attention,
+        "loss_mask": loss,
+        "aux_hidden_states": torch.randn(n, seq, 12, generator=g).to(torch.bfloat16),
+        "position_mask": loss.bool()[..., None],
+        "target_probs": torch.softmax(torch.randn(n, seq, vocab, generator=g), -1).to(torch.bfloat16),
+    }
+    for index, start in enumerate(range(0, n, 2)):
+        shard = {key: v[start : start + 2] for key, v in stored.items()}
+        oc.write_tensor_shard(src, index, shard, tuple(stored), "EAGLE-3")
+    fields = {"num_samples": num_samples, "shard_size": 2, "draft_vocab_size": vocab, "dtype": "bf16"}
+    fields |= {"target_vocab_size": vocab, "aux_hidden_dim": 12, "aux_layer_ids": [1, 2, 3], "seq_length": seq}
+    oc.write_manifest(src, {**fields, "target_model": "m", "selected_token_ids": list(range(vocab))}, 2)
+    save_file, _ = oc.load_safetensors("EAGLE-3")
+    save_file({"weight": torch.randn(vocab, 4, generator=g)}, os.path.join(src, "target_embeddings.safetensors"))
+    return src
+
+
+def test_import_checks_the_nemo_counts_and_every_shard_before_writing(tmp_path, capsys):
+    src = _nemo_eagle3_cache(str(tmp_path / "nemo"), 5)
+    assert main(["import", "--from", "nemo-eagle3", src, str(tmp_path / "good")]) == 0
+    assert main(["verify", str(tmp_path / "good")]) == 0
+    capsys.readouterr()
+    for name, num_samples, damage, message in [
+        ("more", 6, None, "shard-000002.safetensors: tensor 'input_ids' holds 1 samples, expected 2"),
+        ("fewer", 3, None, "declares 3 samples (2 shards of 2) but found shard indices [0, 1, 2]"),
+        ("torn", 5, 1, "shard-000001.safetensors: not a readable safetensors file"),
+    ]:
+        src = _nemo_eagle3_cache(str(tmp_path / f"nemo-{name}"), num_samples)
+        if damage is not None:
+            path = shard_path(src, damage)
+            os.truncate(path, os.path.getsize(path) - 16)
+        out = tmp_path / f"imported-{name}"
+        assert main(["import", "--from", "nemo-eagle3", src, str(out)]) == 1, name
+        err = capsys.readouterr().err
+        assert err.startswith("speccache import: error: ") and message in err and "Traceback" not in err, err
+        assert not out.exists() or not os.listdir(out), name  # refused before anything was written
 
 
 def test_a_resumed_layers_run_writes_the_same_bytes(runs, tmp_path):

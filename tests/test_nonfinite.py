@@ -98,6 +98,22 @@ def test_skip_clears_exactly_the_poisoned_samples_and_counts_them(setup, tmp_pat
     assert all(all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(skipped, all_samples(out), strict=True))
 
 
+def test_a_resume_may_turn_fail_into_skip_but_not_back(setup, tmp_path, capsys):
+    _, nan_dir, _, _, poisoned = setup
+    out = str(tmp_path / "c")
+    assert _precompute(nan_dir, out) == 1  # stops at the first poisoned sample, leaving an unsealed cache
+    assert _precompute(nan_dir, out, "--nonfinite", "skip", "--resume") == 0  # what the error advises
+    manifest = load_manifest_json(manifest_path(out))
+    assert manifest["config"]["nonfinite"] == "skip"
+    assert manifest["stats"]["skipped_rows"]["nonfinite"] == len(poisoned)
+    os.remove(shard_path(out, poisoned[0] // 2))
+    before = open(manifest_path(out), "rb").read()
+    capsys.readouterr()
+    assert _precompute(nan_dir, out, "--resume") == 1  # would stop at the poisoned samples it recomputes
+    assert "config.nonfinite: cache has 'skip', this run has 'fail'" in capsys.readouterr().err
+    assert open(manifest_path(out), "rb").read() == before
+
+
 def test_layer_named_for_a_mid_layer_and_guard_units(setup):
     """A hook makes decoder layer 4 (the mid aux layer) emit NaN on samples holding the token: the error names it."""
     clean_dir, _, token, samples, poisoned = setup

@@ -52,7 +52,7 @@ import torch
 from speccache.compat import offline_cache as oc
 from speccache.data import SOURCE_ROW_KEY
 from speccache.errors import CacheExistsError, CacheFormatError
-from speccache.format import LENGTHS_KEY, Manifest, ShardFile, shard_path
+from speccache.format import LENGTHS_KEY, Manifest, ShardFile, shard_path, validate_contiguous_shards
 from speccache.methods import eagle3, layers
 from speccache.read.source import CacheSource, open_source
 from speccache.units import human_bytes
@@ -260,11 +260,10 @@ def export_cache(
     return manifest
 
 
-def _ragged_rows(path: str, full_vocab: bool, topk: bool) -> dict[str, torch.Tensor]:
-    """One NeMo EAGLE-3 shard as speccache ragged rows; refuses what would not come back unchanged."""
-    _, safe_open = oc.load_safetensors("EAGLE-3")
-    with safe_open(path, framework="pt") as handle:
-        t = {k: handle.get_tensor(k) for k in handle.keys()}
+def _ragged_rows(handle: Any, path: str, full_vocab: bool, topk: bool) -> dict[str, torch.Tensor]:
+    """One NeMo EAGLE-3 shard (its open ``safe_open`` handle) as speccache ragged rows; refuses what would not come
+    back unchanged."""
+    t = {k: handle.get_tensor(k) for k in handle.keys()}
     attention = t["attention_mask"].bool()
     lengths = attention.sum(1)
     prefix = torch.arange(attention.shape[1])[None] < lengths[:, None]
@@ -315,7 +314,9 @@ def import_nemo_eagle3(src: str, out: str, resume: bool = False) -> Manifest:
         The sealed manifest.
 
     Raises:
-        CacheFormatError: a shard that would not come back unchanged.
+        CacheFormatError: shards missing or extra for the manifest's ``num_samples``, a shard holding another
+            sample count or lacking a key, or one that would not come back unchanged.
+        CacheCorruptError: a truncated or damaged shard.
         CacheExistsError, ConfigMismatchError, CacheLockedError: ``out`` cannot be used.
     """
     nemo = oc.read_manifest(src, "EAGLE-3", 2, "precompute_eagle3")
@@ -341,6 +342,16 @@ def import_nemo_eagle3(src: str, out: str, resume: bool = False) -> Manifest:
     }
     selected = torch.tensor(nemo["selected_token_ids"], dtype=torch.int64)
     embeddings = os.path.join(src, "target_embeddings.safetensors")
+    shard_size, num_samples = int(nemo["shard_size"]), int(nemo["num_samples"])
+    probs = ("target_probs_values", "target_probs_indices") if supervision.mode == "topk" else ("target_probs",)
+    keys = (*(k for k in EAGLE3_KEYS if k != "target_probs"), *probs)
+
+    def open_shard(index: int) -> Any:
+        return oc.open_seed_shard(src, index, keys, num_samples, shard_size, "NeMo EAGLE-3")
+
+    # Every shard is checked (there, whole, holding the manifest's counts) before anything is written.
+    for index in validate_contiguous_shards(src, "NeMo EAGLE-3", num_samples, shard_size):
+        open_shard(index)
 
     def side() -> dict[str, torch.Tensor]:
         return {"embed_tokens": ShardFile(embeddings).tensor("weight").clone(), **eagle3.vocab_mapping(selected, vocab)}
@@ -349,17 +360,16 @@ def import_nemo_eagle3(src: str, out: str, resume: bool = False) -> Manifest:
         out,
         cache_name=eagle3.CACHE_NAME,
         schema=schema,
-        shard_size=int(nemo["shard_size"]),
-        num_samples=int(nemo["num_samples"]),
+        shard_size=shard_size,
+        num_samples=num_samples,
         config=config,
         resume=resume,
     )
     side_file = SideFile(eagle3.SIDE_FILE, side, {"speccache_side": eagle3.CACHE_NAME})
     with writer.writing(side_files=(side_file,), overlap=False) as run:
         for index in run.shards:
-            run.write_shard(
-                out, index, _ragged_rows(shard_path(src, index), draft == vocab, supervision.mode == "topk")
-            )
+            rows = _ragged_rows(open_shard(index), shard_path(src, index), draft == vocab, supervision.mode == "topk")
+            run.write_shard(out, index, rows)
     return writer.manifest
 
 

@@ -21,14 +21,14 @@ import logging
 import os  # noqa: F401
 import re  # noqa: F401
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from speccache.errors import CacheFormatError
+from speccache.errors import CacheCorruptError, CacheFormatError
 from speccache.format import (
     MANIFEST_NAME,
     SHARD_RE,
@@ -38,6 +38,7 @@ from speccache.format import (
     load_manifest_json,
     manifest_path,
     shard_path,
+    shard_samples,
     tensor_checksum,
     validate_contiguous_shards,
 )
@@ -194,6 +195,43 @@ def write_tensor_shard(
     return atomic_write(shard_path(cache_dir, shard_index), lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
+def open_seed_shard(
+    cache_dir: str, shard_index: int, keys: Sequence[str], num_samples: int, shard_size: int, cache_name: str
+) -> Any:
+    """Open seed-layout shard ``shard_index`` with ``safetensors.safe_open``, checked before any read: a whole
+    safetensors file holding every key of ``keys`` with the sample count the manifest's counts give the shard.
+
+    Raises:
+        CacheCorruptError: the file is truncated or damaged (not a readable safetensors file).
+        CacheFormatError: a key is missing, or holds another sample count.
+    """
+    _, safe_open = load_safetensors(cache_name)
+    _, safetensor_error = safe_import_from("safetensors", "SafetensorError")
+    path = shard_path(cache_dir, shard_index)
+    try:
+        handle = safe_open(path, framework="pt")
+    except safetensor_error as exc:
+        raise CacheCorruptError(
+            f"{path}: not a readable safetensors file ({exc}): truncated or damaged. "
+            "Restore the shard, or re-run the producer that wrote this cache."
+        ) from None
+    missing = [key for key in keys if key not in handle.keys()]
+    if missing:
+        raise CacheFormatError(
+            f"{path}: has no tensor {missing[0]!r} (it holds {sorted(handle.keys())}). "
+            "Re-run the producer that wrote this cache, or read the keys it has."
+        )
+    expected = shard_samples(shard_index, num_samples, shard_size)
+    for key in keys:
+        rows = handle.get_slice(key).get_shape()[:1]
+        if rows != [expected]:
+            raise CacheFormatError(
+                f"{path}: tensor {key!r} holds {rows[0] if rows else 0} samples, expected {expected} "
+                "(the manifest's counts). Re-run the producer that wrote this cache."
+            )
+    return handle
+
+
 class CachedTensorDataset(Dataset):
     """Lazily read fixed-key safetensors shards by sample index (the original's dataset).
 
@@ -236,23 +274,9 @@ class CachedTensorDataset(Dataset):
         (opened on first use, LRU-bounded)."""
         handle = self._open_handles.get(shard_index)
         if handle is None:
-            _, safe_open = load_safetensors(self.cache_name)
-            path = shard_path(self.cache_dir, shard_index)
-            handle = safe_open(path, framework="pt")
-            missing = [key for key in self._disk_keys if key not in handle.keys()]  # before any read, naming the file
-            if missing:
-                raise CacheFormatError(
-                    f"{path}: has no tensor {missing[0]!r} (it holds {sorted(handle.keys())}). "
-                    "Re-run the producer that wrote this cache, or read the keys it has."
-                )
-            expected = min(self.shard_size, self.num_samples - shard_index * self.shard_size)
-            for key in self._disk_keys:
-                rows = handle.get_slice(key).get_shape()[:1]
-                if rows != [expected]:
-                    raise CacheFormatError(
-                        f"{path}: tensor {key!r} holds {rows[0] if rows else 0} samples, expected {expected} "
-                        "(the manifest's counts). Re-run the producer that wrote this cache."
-                    )
+            handle = open_seed_shard(
+                self.cache_dir, shard_index, self._disk_keys, self.num_samples, self.shard_size, self.cache_name
+            )
             handle = self._open_handles[shard_index] = _ShardHandle(handle)
             if len(self._open_handles) > self.max_open_shards:
                 self._open_handles.popitem(last=False)

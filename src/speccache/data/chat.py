@@ -238,9 +238,13 @@ class DataStats:
         """Rows left out for any reason."""
         return sum(self.skipped.values())
 
-    def skipped_rows_jsonl(self) -> bytes:
-        """The ``skipped_rows.jsonl`` side file: one ``{"row", "reason", "detail"}`` object per line."""
-        lines = (json.dumps({"row": r.row, "reason": r.reason, "detail": r.detail}) + "\n" for r in self.skipped_rows)
+    def skipped_rows_jsonl(self, data: str) -> bytes:
+        """The lines of ``skipped_rows.jsonl`` for data file ``data``: one ``{"row", "reason", "detail", "data"}``
+        object per line (``data`` as the manifest's ``config.data`` names the file)."""
+        lines = (
+            json.dumps({"row": r.row, "reason": r.reason, "detail": r.detail, "data": data}) + "\n"
+            for r in self.skipped_rows
+        )
         return "".join(lines).encode("utf-8")
 
 

@@ -20,10 +20,17 @@ from speccache.format.durable import atomic_write
 from speccache.format.names import FORMAT_VERSION, MAX_SHARDS, ceil_div, manifest_path, shard_samples
 from speccache.format.schema import Schema, schema_from_json, schema_to_json
 
-__all__ = ["Manifest", "ShardRecord", "SideFileRecord", "load_manifest_json", "manifest_text"]
+__all__ = ["Manifest", "ShardRecord", "SideFileRecord", "load_manifest_json", "manifest_text", "resume_identity"]
 
 COMPARED_ON_RESUME = ("cache_name", "format_version", "keys", "shard_size", "num_samples", "config")
 """The fields a resumed run must match exactly (as JSON values)."""
+
+CONFIG_DEFAULTS: Mapping[str, Any] = {"nonfinite": "fail"}
+"""``config`` fields younger than some caches, with the value a manifest written before them stands for."""
+
+CONFIG_CONTINUABLE: Mapping[str, tuple[Any, Any]] = {"nonfinite": ("fail", "skip")}
+"""``config`` fields a resumed run may change, from the cache's value to the run's: what ``--nonfinite fail``
+wrote holds no cleared sample, so it is what ``skip`` writes too (the reverse would keep cleared samples)."""
 
 
 def load_manifest_json(path: str) -> dict[str, Any]:
@@ -50,6 +57,22 @@ def load_manifest_json(path: str) -> dict[str, Any]:
     if not isinstance(manifest, dict):
         raise CacheFormatError(f"cache manifest {path} must hold a JSON object, found {type(manifest).__name__}")
     return manifest
+
+
+def resume_identity(body: Mapping[str, Any], run_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The fields of manifest ``body`` a resumed run must match, as JSON values (tuples become lists).
+
+    A :data:`CONFIG_DEFAULTS` field the manifest lacks reads as its default; given the run's ``run_config``, a
+    :data:`CONFIG_CONTINUABLE` field reads as the run's value where the run may continue the cache's.
+    """
+    identity = json.loads(json.dumps({key: body.get(key) for key in COMPARED_ON_RESUME}))
+    config = identity["config"]
+    if isinstance(config, dict):
+        config = identity["config"] = {**CONFIG_DEFAULTS, **config}
+        for key, (found, run) in CONFIG_CONTINUABLE.items():
+            if run_config is not None and config.get(key) == found and run_config.get(key) == run:
+                config[key] = run
+    return identity
 
 
 def manifest_text(body: Mapping[str, Any]) -> str:
@@ -319,9 +342,8 @@ class Manifest:
         )
 
     def resume_identity(self) -> dict[str, Any]:
-        """The fields a resumed run must match, as JSON values (tuples become lists)."""
-        body = self.to_json()
-        return json.loads(json.dumps({key: body[key] for key in COMPARED_ON_RESUME}))
+        """The fields a resumed run must match, as JSON values (see :func:`resume_identity`)."""
+        return resume_identity(self.to_json())
 
     # -- counts and checks
 

@@ -23,7 +23,8 @@ the ids in order, ``config.architecture`` the target's class and ``config.num_la
 Presets are named layer sets over the same producer (:data:`PRESETS`):
 ``layers`` (exactly ``--layers``), ``dspark`` (K layers + last hidden state;
 default K=5 spread by the home project's ``build_target_layer_ids``),
-``dflash`` (K=5 spread over ``[1, L - 3]`` as DFlash does, + last hidden state)
+``dflash`` (K=5 spread over ``[1, L - 3]`` as DFlash does, + last hidden state; fewer ids for a target
+too shallow for 5 distinct ones, see :func:`dflash_layer_ids`)
 and ``mtp`` (the last hidden state only). The side file ``layers_side.safetensors``
 holds the target's ``embed_tokens`` ``[V, H]`` and ``lm_head`` ``[V, H]`` (what a
 DSpark trainer initialises from, and what turns ``last_hidden_state`` into logits).
@@ -84,7 +85,9 @@ __all__ = [
 def dspark_layer_ids(num_layers: int, k: int = DEFAULT_K) -> list[int]:
     """DSpark's default: ``k`` ids spread evenly over ``[1, L - 1]`` (``build_target_layer_ids`` of its registry).
 
-    For ``L = 32``, ``k = 5`` that is ``[1, 8, 16, 24, 31]``: the last id is the final-norm output.
+    For ``L = 32``, ``k = 5`` that is ``[1, 8, 16, 24, 31]``: the last id is the final-norm output. Like DSpark's,
+    a target with fewer than ``k + 1`` layers gets one id per layer of the range; DSpark refuses ``L = 1``, where
+    this returns its one-layer choice, the last id (``[0]``, the final-norm output).
     """
     k = max(1, min(k, num_layers - 1))
     last = num_layers - 1
@@ -95,10 +98,16 @@ def dspark_layer_ids(num_layers: int, k: int = DEFAULT_K) -> list[int]:
 
 
 def dflash_layer_ids(num_layers: int, k: int = DEFAULT_K) -> list[int]:
-    """DFlash's default: ``k`` ids spread evenly over ``[1, L - 3]`` (``build_target_layer_ids`` of its Qwen3 draft)."""
-    if k == 1:
-        return [num_layers // 2]
+    """DFlash's default: ``k`` ids spread evenly over ``[1, L - 3]`` (``build_target_layer_ids`` of its Qwen3 draft).
+
+    DFlash's own formula repeats ids when that range holds fewer than ``k`` (``L < k + 3``) and, when it is empty,
+    leaves it (down to ``-1`` for ``L = 2``). Here a shallower target gets one id per layer of the range, and one
+    whose range holds at most one id (``L <= 4``) gets DFlash's choice for a one-layer draft, ``L // 2``.
+    """
     start, end = 1, num_layers - 3
+    k = min(k, end - start + 1)
+    if k <= 1:
+        return [num_layers // 2]
     return [int(round(start + (i * (end - start)) / (k - 1))) for i in range(k)]
 
 

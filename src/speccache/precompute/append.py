@@ -21,6 +21,7 @@ with the cache's (:data:`DATA_FIELDS` are exempt) and refuses, listing them.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,7 +30,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from speccache.errors import CacheExistsError, CacheIncompleteError, DataError
+from speccache.data import SKIPPED_ROWS_FILE
+from speccache.errors import CacheCorruptError, CacheExistsError, CacheIncompleteError, DataError
 from speccache.format import Manifest, NativeShard, ShardFile, load_manifest_json, manifest_path, shard_path
 
 __all__ = ["DATA_FIELDS", "AppendPlan", "AppendedDataset", "merge_stats", "plan_append", "stored_selection"]
@@ -49,6 +51,8 @@ class AppendPlan:
         tail: stored tokens of samples ``[tail_start, base)`` (the old partial last shard), recomputed with the new.
         tail_start: first sample index of ``tail``.
         stats_before: the sealed cache's statistics, which the new run's are added to.
+        skipped_before: the lines of ``skipped_rows.jsonl`` that list the skipped rows of the cache's earlier data
+            files, each naming its file; the new file's lines follow them.
     """
 
     base: int
@@ -57,6 +61,7 @@ class AppendPlan:
     tail: list[dict[str, torch.Tensor]]
     tail_start: int
     stats_before: dict[str, Any]
+    skipped_before: bytes
 
 
 def plan_append(out: str, run_config: Mapping[str, Any], new_samples: int, shard_size: int) -> AppendPlan:
@@ -82,16 +87,40 @@ def plan_append(out: str, run_config: Mapping[str, Any], new_samples: int, shard
         raise DataError(
             f"--append: the data of {entry['data']} is already in {out} (same content hash); nothing was changed"
         )
+    skipped = _skipped_lines(out, str(config.get("data")))
     if resuming:
         base, stats_before = int(appended[-1]["first_sample"]), dict(appended[-1]["stats_before"])
+        # A killed append may have written its file's lines already: keep those of the earlier files only.
+        skipped = skipped[: int(appended[-1].get("skipped_rows_before", len(skipped)))]
     else:
         base, stats_before = int(body["num_samples"]), dict(body.get("stats") or {})
-        appended.append({**entry, "first_sample": base, "stats_before": stats_before})
+        before = {"first_sample": base, "stats_before": stats_before, "skipped_rows_before": len(skipped)}
+        appended.append({**entry, **before})
     settings = {k: v for k, v in run_config.items() if k not in DATA_FIELDS}
     merged = {**settings, **{k: config[k] for k in DATA_FIELDS if k in config}, "appended": appended}
     tail_start = base - base % shard_size
     tail = _stored_tokens(out, body, tail_start // shard_size, base - tail_start) if base > tail_start else []
-    return AppendPlan(base, base + new_samples, merged, tail, tail_start, stats_before)
+    return AppendPlan(base, base + new_samples, merged, tail, tail_start, stats_before, b"".join(skipped))
+
+
+def _skipped_lines(out: str, first_data: str) -> list[bytes]:
+    """The lines of the cache's ``skipped_rows.jsonl``, each naming its data file (a line written before lines named
+    theirs lists a row of the cache's first file, ``first_data``)."""
+    path = os.path.join(out, SKIPPED_ROWS_FILE)
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        lines = [line for line in f if line.strip()]
+    try:
+        rows = [json.loads(line) for line in lines]
+        if not all(isinstance(row, dict) for row in rows):
+            raise ValueError("a line is not a JSON object")
+    except ValueError as exc:
+        raise CacheCorruptError(
+            f"--append: {path} is not one JSON object per line ({exc}), so the rows it lists cannot be kept. "
+            "Restore it (speccache verify checks it against the manifest's side_files), then re-run the append."
+        ) from None
+    return [(json.dumps({**row, "data": row.get("data", first_data)}) + "\n").encode("utf-8") for row in rows]
 
 
 def _stored_tokens(out: str, body: Mapping[str, Any], index: int, count: int) -> list[dict[str, torch.Tensor]]:

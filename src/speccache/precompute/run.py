@@ -392,6 +392,7 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
         "system_prompt": cfg.system_prompt,
         "reasoning": cfg.reasoning,
         "chat_date": fmt.date if fmt is not None and fmt.uses_date else None,
+        "nonfinite": cfg.nonfinite,
     }
     return Plan(
         cfg, model_config, tokenizer, samples, stats, aux, vocab_size, hidden, draft, schema, manifest_config, selection
@@ -585,9 +586,12 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
     itemsize = torch.empty((), dtype=DTYPES[cfg.dtype]).element_size()
     started = time.monotonic()
     side_file = SideFile(plan.side_file, side_tensors, {"speccache_side": plan.cache_name})
+    skipped = plan.stats.skipped_rows_jsonl(plan.manifest_config["data"])
+    if extension is not None:  # the rows of the cache's earlier data files, then this file's
+        skipped = extension.skipped_before + skipped
     # skipped_rows.jsonl is written only when a row was skipped, so a clean dataset's cache has no empty file.
-    skipped_file = SideFile(SKIPPED_ROWS_FILE, content=plan.stats.skipped_rows_jsonl)
-    side_files = (side_file, skipped_file) if plan.stats.skipped_rows else (side_file,)
+    skipped_file = SideFile(SKIPPED_ROWS_FILE, content=lambda: skipped, rewritten_on_append=True)
+    side_files = (side_file, skipped_file) if skipped else (side_file,)
     with contextlib.ExitStack() as stack:
         run: WriteRun | None = None
 

@@ -309,9 +309,15 @@ class CacheDataset(Dataset):
         if not self.manifest.complete:
             if not allow_incomplete:
                 raise CacheIncompleteError(
-                    f"cache at {cache_dir} is not complete: it is still being written or its writer was interrupted. "
-                    "Finish it by re-running the same precompute command with --resume (or pass allow_incomplete=True "
-                    "to read its whole shards)."
+                    (
+                        f"cache at {cache_dir} is not complete: an append to it is still running or was interrupted. "
+                        "Finish it by re-running the same precompute --append command"
+                        if self.manifest.config.get("appended")
+                        else f"cache at {cache_dir} "
+                        "is not complete: it is still being written or its writer was interrupted. "
+                        "Finish it by re-running the same precompute command with --resume"
+                    )
+                    + " (or pass allow_incomplete=True to read its whole shards)."
                 )
             self.num_samples = _complete_prefix(cache_dir, self.num_samples, self.shard_size)
         else:
@@ -404,6 +410,14 @@ class CacheDataset(Dataset):
             found = Manifest.read(self.cache_dir, self.cache_name)
         except (FileNotFoundError, CacheFormatError):
             found = None
+        if found is not None and _appended_to(self.manifest, found):
+            raise CacheCorruptError(
+                f"{manifest_path(self.cache_dir)} changed since this reader opened the cache: "
+                f"the cache was appended to ({found.num_samples} samples now, "
+                f"{'sealed' if found.complete else 'not sealed yet'}), "
+                f"so {os.path.basename(path)} may hold other samples than this reader's. Reopen the dataset "
+                + ("now." if found.complete else "once the append is sealed (its precompute --append has finished).")
+            )
         if found is None or found.resume_identity() != self.manifest.resume_identity():
             raise CacheCorruptError(
                 f"{manifest_path(self.cache_dir)} changed since this reader opened the cache (the cache was rewritten "
@@ -474,6 +488,12 @@ class CacheDataset(Dataset):
             o = self._shard(index).row_offsets
             lengths.extend(o[i + 1] - o[i] for i in range(len(o) - 1))
         return lengths
+
+
+def _appended_to(opened: Manifest, found: Manifest) -> bool:
+    """Whether ``found`` is the manifest of an append to the cache ``opened`` describes (its appended files extend)."""
+    before, after = opened.config.get("appended") or [], found.config.get("appended") or []
+    return isinstance(after, list) and len(after) > len(before) and after[: len(before)] == before
 
 
 def _identity(path: str) -> tuple[int, int, int, int] | None:

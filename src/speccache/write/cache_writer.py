@@ -53,7 +53,7 @@ from speccache.format import (
     write_safetensors,
 )
 from speccache.format.lock import lock_path
-from speccache.format.manifest import COMPARED_ON_RESUME
+from speccache.format.manifest import COMPARED_ON_RESUME, resume_identity
 from speccache.write.dist import Comm, LocalComm, agree
 from speccache.write.loops import WriteShardFn, partition_cache_shards
 from speccache.write.writers import NativeShardWriter, OverlappedShardWriter
@@ -75,12 +75,15 @@ class SideFile:
         tensors: called on rank 0 only, when the file is written (so other ranks never build them).
         metadata: the safetensors metadata.
         content: instead of ``tensors``, the file's bytes (e.g. ``skipped_rows.jsonl``), called like ``tensors``.
+        rewritten_on_append: an append writes it again (it covers every data file, e.g. ``skipped_rows.jsonl``);
+            the other side files of a sealed cache are kept as they are.
     """
 
     name: str
     tensors: Callable[[], Mapping[str, torch.Tensor]] | None = None
     metadata: Mapping[str, str] = field(default_factory=dict)
     content: Callable[[], bytes] | None = None
+    rewritten_on_append: bool = False
 
 
 @dataclass
@@ -216,17 +219,22 @@ class CacheWriter:
             # A sealed cache stays sealed (readers keep reading it) unless some rank has a shard to rewrite.
             states = self.comm.all_gather((bool(todo), self._sealed_on_disk is not None))
             if not states[0][1] or any(has_work for has_work, _ in states):
-                agree(self.comm, self._unseal if self.comm.rank == 0 else lambda: None)
+                agree(self.comm, (lambda: self._unseal(side_files)) if self.comm.rank == 0 else lambda: None)
             return todo
         except BaseException:
             self._lock.release()
             raise
 
-    def _unseal(self) -> None:
-        if self._sealed_on_disk is not None:  # rewriting shards of a sealed cache: its side files are the ones listed
-            self.manifest.side_files = dict(self._sealed_on_disk.side_files)
-            self._sealed_on_disk = None
+    def _unseal(self, side_files: tuple[SideFile, ...]) -> None:
+        sealed, self._sealed_on_disk = self._sealed_on_disk, None
+        if sealed is not None:  # rewriting shards of a sealed cache: its side files are the ones listed
+            self.manifest.side_files = dict(sealed.side_files)
         self.manifest.write(self.cache_dir)
+        if sealed is not None and self.append_fields is not None:
+            # Only now: no sealed manifest ever lists a side file that changed after it was written.
+            for side in side_files:
+                if side.rewritten_on_append:
+                    self._write_side_file(side)
 
     def _side_files_intact(self, found: Manifest) -> bool:
         for name, record in found.side_files.items():
@@ -266,7 +274,7 @@ class CacheWriter:
             )
         body = load_manifest_json(manifest_path(self.cache_dir))
         wanted = self.manifest.resume_identity()
-        found_identity = {key: body.get(key) for key in COMPARED_ON_RESUME}
+        found_identity = resume_identity(body, wanted["config"])
         if self.append_fields is not None:  # an append grows the cache and changes its data, nothing else
             for identity in (found_identity, wanted):
                 identity["num_samples"] = None
@@ -303,6 +311,8 @@ class CacheWriter:
 
     def _keep_existing(self, index: int) -> bool:
         path = shard_path(self.cache_dir, index)
+        if self.append_fields is not None and self._grown_by_append(index):
+            return False
         try:
             record = self._record_of_existing(index)
         except (
@@ -314,6 +324,18 @@ class CacheWriter:
             return False
         self.shard_writer.records[index] = record
         return True
+
+    def _grown_by_append(self, index: int) -> bool:
+        """Whether shard ``index`` holds fewer samples than this run's: the cache's old partial last shard, which an
+        append recomputes with the first new samples (an expected rewrite, not a damaged shard to warn about)."""
+        try:
+            shard = NativeShard(shard_path(self.cache_dir, index), self.manifest.schema, index, None)
+        except (SpeccacheError, OSError, ValueError):
+            return False  # a bad shard: _keep_existing's own check reports it
+        try:
+            return shard.num_samples < self.manifest.shard_samples(index)
+        finally:
+            shard.close()
 
     def _record_of_existing(self, index: int) -> ShardRecord:
         """The shard table row of shard ``index`` as found on disk, after checking it whole."""
