@@ -3,10 +3,15 @@ tokenizers without a chat template API, FastChat rows, the truncation warning, s
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import zstandard
@@ -234,3 +239,45 @@ def test_an_unreachable_hub_dataset_is_a_data_error(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(DataError, match="cannot load it as a Hugging Face hub dataset.*Couldn't reach"):
         list(iter_rows("org/chat-data"))
+
+
+# Ctrl-C while worker processes tokenize
+
+
+def _group(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry))
+    return members
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process groups from /proc")
+def test_ctrl_c_while_worker_processes_tokenize_ends_the_run_and_its_workers(model_dir, tmp_path):
+    rows = _rows()
+    data = tmp_path / "many.jsonl"
+    data.write_text("".join(json.dumps(rows[i % len(rows)]) + "\n" for i in range(100_000)))
+    command = [sys.executable, "-m", "speccache", "precompute", "--model", model_dir, "--data", str(data)]
+    command += ["--out", str(tmp_path / "out"), "--num-proc", "2", "--max-length", "48", "--quiet"]
+    # A shell starts background jobs with SIGINT ignored, and the run would inherit that: restore the default.
+    restore = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
+    proc = subprocess.Popen(command, start_new_session=True, preexec_fn=restore, stderr=subprocess.PIPE, text=True)
+    try:
+        while len(_group(proc.pid)) < 3 and proc.poll() is None:  # the run itself and its two workers
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read()
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        code = proc.wait(timeout=60)  # a hang guard: it ends within seconds
+    finally:
+        if proc.poll() is None or _group(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert code != 0
+    assert not _group(proc.pid), "worker processes outlived the run"
+    assert not (tmp_path / "out" / "manifest.json").exists()

@@ -34,6 +34,7 @@ import io
 import itertools
 import json
 import os
+import signal
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -651,6 +652,14 @@ def _init_worker(tokenizer: Any, fmt: ChatFormat | None) -> None:
     _WORKER.update(tokenizer=tokenizer, fmt=fmt)
 
 
+def _init_pool_worker(tokenizer: Any, fmt: ChatFormat | None) -> None:
+    # Ctrl-C signals the whole process group. A worker interrupted inside a task loses it (or dies holding the task
+    # queue's lock), and the pool then waits for that result forever; only the parent stops on Ctrl-C, and the
+    # workers finish the tasks in flight as on any other early exit.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(tokenizer, fmt)
+
+
 class _Encoder:
     """Encodes rows in order, in ``num_proc`` forked worker processes when ``num_proc > 1``."""
 
@@ -667,7 +676,7 @@ class _Encoder:
             # The workers inherit the tokenizer by fork; its own thread pool must not be live across the fork.
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
             context = multiprocessing.get_context("fork")
-            self.pool = context.Pool(self.num_proc, _init_worker, (self.tokenizer, self.fmt))
+            self.pool = context.Pool(self.num_proc, _init_pool_worker, (self.tokenizer, self.fmt))
         return self
 
     def __exit__(self, *exc: object) -> None:
