@@ -209,6 +209,18 @@ def test_a_saved_dataset_dict_needs_a_split_and_reads_the_one_named(tmp_path):
     assert [r["conversations"] for r in got] == [r["conversations"] for r in splits["test"]]
 
 
+def test_a_chat_template_with_a_syntax_error_fails_up_front_naming_the_file_and_line(model_dir, tmp_path, capsys):
+    template = tmp_path / "broken.jinja"
+    template.write_text("{%- for m in messages -%}\n{{ m.content }\n{%- endfor -%}\n")
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    argv = ["precompute", "--model", model_dir, "--data", str(data), "--out", str(tmp_path / "out"), *FLAGS]
+    assert main([*argv, "--chat-template", str(template), "--skip-bad-rows"]) == 1
+    err = capsys.readouterr().err
+    assert f"error: --chat-template {template}: line 2: not a valid Jinja template" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
 def test_a_hub_id_is_read_through_load_dataset_with_its_split(monkeypatch):
     import datasets
 

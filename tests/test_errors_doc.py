@@ -27,6 +27,7 @@ import torch
 from transformers import GPT2Config, LlamaConfig
 
 import speccache.errors as errors_module
+from speccache.data import chat_format
 from speccache.format import MANIFEST_NAME, KeySpec, ShardFile, shard_path, write_safetensors
 from speccache.format.encoding import get_encoding
 from speccache.format.lock import LOCK_NAME
@@ -415,6 +416,7 @@ TRIGGERS: dict[str, T] = {
     "invalid JSON": lambda e: _data_file(e, "rows.jsonl", b"{"),
     "a .json data file must hold a JSON list": lambda e: _data_file(e, "rows.json", b"{}"),
     "expected a JSON object per row": lambda e: _data_file(e, "rows.jsonl", b"[1]"),
+    "not a valid Jinja template": lambda e: chat_format(_tokenizer(), str(_touch(e.tmp / "t.jinja", b"{{ x }"))),
     "a row needs exactly one of": lambda e: _row({"text": "hi"}),
     "must be a non-empty list of messages": lambda e: _row({"messages": []}),
     "must be an object with": lambda e: _row({"messages": ["hi"]}),
