@@ -13,6 +13,7 @@ class (or ``verify`` for a ``speccache verify`` finding). This test
 from __future__ import annotations
 
 import ast
+import gzip
 import json
 import os
 import re
@@ -24,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+import zstandard
 from transformers import GPT2Config, LlamaConfig
 
 import speccache.errors as errors_module
@@ -416,6 +418,9 @@ TRIGGERS: dict[str, T] = {
     "invalid JSON": lambda e: _data_file(e, "rows.jsonl", b"{"),
     "a .json data file must hold a JSON list": lambda e: _data_file(e, "rows.json", b"{}"),
     "expected a JSON object per row": lambda e: _data_file(e, "rows.jsonl", b"[1]"),
+    "the zstd file is truncated": lambda e: _data_file(e, "rows.jsonl.zst", zstandard.ZstdCompressor().compress(b"\n")[:-1]),
+    "the gzip file is truncated": lambda e: _data_file(e, "rows.jsonl.gz", gzip.compress(b"\n")[:-4]),
+    "it is damaged or in another format": lambda e: _data_file(e, "rows.jsonl.gz", b"{}\n"),
     "not a valid Jinja template": lambda e: chat_format(_tokenizer(), str(_touch(e.tmp / "t.jinja", b"{{ x }"))),
     "a row needs exactly one of": lambda e: _row({"text": "hi"}),
     "must be a non-empty list of messages": lambda e: _row({"messages": []}),

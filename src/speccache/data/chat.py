@@ -1,7 +1,8 @@
 """Chat data loading and tokenisation for the feature precompute.
 
 Input files are ``.jsonl`` (one JSON object per line, blank lines ignored), ``.jsonl.gz`` / ``.jsonl.zst``
-(the same, compressed), ``.json`` (one JSON list of objects), ``.parquet``, or a directory written by
+(the same, compressed; a file that ends inside a gzip member or zstd frame is an error, not a shorter file),
+``.json`` (one JSON list of objects), ``.parquet``, or a directory written by
 Hugging Face ``datasets``' ``save_to_disk`` (the last two are read through ``datasets``, memory-mapped
 Arrow). A row is one of:
 
@@ -35,6 +36,7 @@ import itertools
 import json
 import os
 import signal
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -283,15 +285,94 @@ def _data_kind(path: str) -> str:
     )
 
 
-def _open_lines(path: str) -> io.BufferedIOBase:
-    lower = path.lower()
-    if lower.endswith(".gz"):
-        return gzip.open(path, "rb")  # type: ignore[return-value]
-    if lower.endswith(".zst"):
+_READ_SIZE = 1 << 16
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of every zstd frame in a file, refusing a file that ends inside a frame.
+
+    ``zstandard``'s ``stream_reader`` returns end-of-file for a frame cut anywhere, so a truncated file
+    would read as a shorter whole one. A frame is complete only when the decoder says so (its end mark,
+    and its content size and checksum where the header has them, which the ``zstd`` CLI and
+    ``ZstdCompressor`` write by default). A file of several frames cut exactly between two frames still
+    looks whole: nothing in a frame says that another one follows.
+    """
+
+    def __init__(self, path: str) -> None:
         import zstandard
 
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
-    return open(path, "rb")
+        self.path, self._file, self._error = path, open(path, "rb"), zstandard.ZstdError
+        self._decompressor = zstandard.ZstdDecompressor()
+        self._frame = self._decompressor.decompressobj()
+        self._in_frame, self._frames = False, 0
+        self._out, self._at = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while self._at == len(self._out):
+            chunk = self._file.read(_READ_SIZE)
+            if not chunk:
+                if self._in_frame or not self._frames:
+                    raise DataError(
+                        f"{self.path}: the zstd file is truncated (it ends inside a frame, or holds none); "
+                        "it was cut short (an interrupted download or copy): fetch or write it again"
+                    )
+                return 0
+            self._out, self._at = self._decompress(chunk), 0
+        n = min(len(buffer), len(self._out) - self._at)
+        buffer[:n] = self._out[self._at : self._at + n]
+        self._at += n
+        return n
+
+    def _decompress(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            try:
+                out.append(self._frame.decompress(data))
+            except self._error as e:
+                raise _damaged(self.path, "zstd", e) from e
+            self._in_frame = not self._frame.eof
+            if self._in_frame:
+                break
+            self._frames += 1
+            data, self._frame = self._frame.unused_data, self._decompressor.decompressobj()
+        return b"".join(out)
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def _damaged(path: str, kind: str, error: BaseException) -> DataError:
+    return DataError(
+        f"{path}: not a valid {kind} file ({error}); it is damaged or in another format: "
+        f"compress the .jsonl with {kind} again, or name the file for what it holds"
+    )
+
+
+def _lines(path: str) -> Iterator[bytes]:
+    """The raw lines of a JSON-lines file, decompressed; a damaged or truncated file is a ``DataError``."""
+    lower = path.lower()
+    if lower.endswith(".zst"):
+        with io.BufferedReader(_ZstdFrames(path)) as f:
+            yield from f
+        return
+    if not lower.endswith(".gz"):
+        with open(path, "rb") as f:
+            yield from f
+        return
+    try:
+        with gzip.open(path, "rb") as f:
+            yield from f
+    except EOFError as e:
+        raise DataError(
+            f"{path}: the gzip file is truncated ({e}); it was cut short (an interrupted download or copy): "
+            "fetch or write it again"
+        ) from e
+    except (gzip.BadGzipFile, zlib.error) as e:
+        raise _damaged(path, "gzip", e) from e
 
 
 def _load_dataset(path: str, split: str | None) -> Any:
@@ -361,30 +442,29 @@ def _raw_rows(path: str, split: str | None = None) -> Iterator[tuple[int, str, A
         for index, row in enumerate(rows):
             yield index, f"{path}[{index}]", row
         return
-    with _open_lines(path) as f:
-        for line_no, raw in enumerate(f, start=1):
-            where = f"{path}:{line_no}"
-            try:
-                text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                yield (
-                    line_no - 1,
-                    where,
-                    _row_error(f"{where}: not valid UTF-8 ({e.reason}); re-encode the line as UTF-8"),
-                )
-                continue
-            if not text.strip():
-                continue
-            try:
-                yield line_no - 1, where, json.loads(text)
-            except json.JSONDecodeError as e:
-                yield (
-                    line_no - 1,
-                    where,
-                    _row_error(
-                        f"{where}: invalid JSON ({e.msg}, column {e.colno}); fix or remove the line, or skip bad rows"
-                    ),
-                )
+    for line_no, raw in enumerate(_lines(path), start=1):
+        where = f"{path}:{line_no}"
+        try:
+            text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            yield (
+                line_no - 1,
+                where,
+                _row_error(f"{where}: not valid UTF-8 ({e.reason}); re-encode the line as UTF-8"),
+            )
+            continue
+        if not text.strip():
+            continue
+        try:
+            yield line_no - 1, where, json.loads(text)
+        except json.JSONDecodeError as e:
+            yield (
+                line_no - 1,
+                where,
+                _row_error(
+                    f"{where}: invalid JSON ({e.msg}, column {e.colno}); fix or remove the line, or skip bad rows"
+                ),
+            )
 
 
 def _not_an_object(where: str, value: Any) -> RowFailure:
