@@ -420,3 +420,34 @@ def test_a_damaged_or_misnamed_compressed_file_is_an_error_even_when_skipping(tm
     path.write_bytes(content)
     with pytest.raises(DataError, match=rf"{re.escape(str(path))}: {pattern}"):
         load_samples(str(path), tok, 64, skip_bad_rows=True)
+
+
+# parquet files, read in place
+
+
+def test_a_parquet_rewritten_with_its_mtime_kept_is_read_anew_and_never_cached(tmp_path, tok, monkeypatch):
+    import datasets
+    import pyarrow
+    import pyarrow.parquet
+
+    cache = tmp_path / "hf-datasets"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    path = str(tmp_path / "rows.parquet")
+    short, long = (openai_row(CONVERSATION[:3]), openai_row(CONVERSATION))
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist([short] * 3), path)
+    stamp = os.stat(path)
+    first, _ = load_samples(path, tok, 256)
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist([long] * 4), path)  # what cp -p or rsync -t leave
+    os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    second, _ = load_samples(path, tok, 256)
+    assert len(first) == 3 and len(second) == 4
+    assert second[0] == tokenize_row(long, tok, 256, where="x", source_row=0)
+    assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_a_damaged_parquet_file_is_an_error_naming_it(tmp_path, tok):
+    path = tmp_path / "rows.parquet"
+    path.write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match=rf"{re.escape(str(path))}: not a readable Parquet file"):
+        load_samples(str(path), tok, 64, skip_bad_rows=True)

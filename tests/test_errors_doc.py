@@ -421,6 +421,7 @@ TRIGGERS: dict[str, T] = {
     "the zstd file is truncated": lambda e: _data_file(e, "rows.jsonl.zst", zstandard.ZstdCompressor().compress(b"\n")[:-1]),
     "the gzip file is truncated": lambda e: _data_file(e, "rows.jsonl.gz", gzip.compress(b"\n")[:-4]),
     "it is damaged or in another format": lambda e: _data_file(e, "rows.jsonl.gz", b"{}\n"),
+    "not a readable Parquet file": lambda e: _data_file(e, "rows.parquet", b"PAR1"),
     "not a valid Jinja template": lambda e: chat_format(_tokenizer(), str(_touch(e.tmp / "t.jinja", b"{{ x }"))),
     "a row needs exactly one of": lambda e: _row({"text": "hi"}),
     "must be a non-empty list of messages": lambda e: _row({"messages": []}),

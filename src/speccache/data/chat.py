@@ -2,8 +2,8 @@
 
 Input files are ``.jsonl`` (one JSON object per line, blank lines ignored), ``.jsonl.gz`` / ``.jsonl.zst``
 (the same, compressed; a file that ends inside a gzip member or zstd frame is an error, not a shorter file),
-``.json`` (one JSON list of objects), ``.parquet``, or a directory written by
-Hugging Face ``datasets``' ``save_to_disk`` (the last two are read through ``datasets``, memory-mapped
+``.json`` (one JSON list of objects), ``.parquet`` (read in place with ``pyarrow``, never copied into a cache),
+or a directory written by Hugging Face ``datasets``' ``save_to_disk`` (read through ``datasets``, memory-mapped
 Arrow). A row is one of:
 
 * ShareGPT / FastChat: ``{"conversations": [{"from": "human"|"gpt"|"system"|"user"|"assistant", "value": str},
@@ -255,7 +255,7 @@ def is_hub_id(path: str) -> bool:
 
 
 def _data_kind(path: str) -> str:
-    """``lines``, ``json``, ``dataset`` (read through ``datasets``) or ``hub``."""
+    """``lines``, ``json``, ``parquet``, ``dataset`` (a saved one, read through ``datasets``) or ``hub``."""
     if is_hub_id(path):
         return "hub"
     if os.path.isdir(path):
@@ -277,7 +277,7 @@ def _data_kind(path: str) -> str:
     if lower.endswith(".json"):
         return "json"
     if lower.endswith(_DATASET_SUFFIXES):
-        return "dataset"
+        return "parquet"
     ext = os.path.splitext(path)[1].lower()
     raise DataError(
         f"unsupported data file extension {ext or '(none)'!r}: {path}; use .jsonl (one JSON object "
@@ -376,7 +376,7 @@ def _lines(path: str) -> Iterator[bytes]:
 
 
 def _load_dataset(path: str, split: str | None) -> Any:
-    """The ``datasets.Dataset`` of a saved dataset, a parquet file or a hub id (``split`` chooses among splits)."""
+    """The ``datasets.Dataset`` of a saved dataset or a hub id (``split`` chooses among splits)."""
     import datasets
 
     if _data_kind(path) == "hub":
@@ -388,8 +388,6 @@ def _load_dataset(path: str, split: str | None) -> Any:
                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. Check the id, the split "
                 "and the network, or pass a local file"
             ) from exc
-    if not os.path.isdir(path):
-        return datasets.Dataset.from_parquet(path)
     ds = datasets.load_from_disk(path)
     if isinstance(ds, datasets.DatasetDict):
         if split is None:
@@ -409,6 +407,25 @@ def _dataset_rows(path: str, split: str | None) -> Iterator[tuple[int, str, Any]
         yield index, f"{path}[{index}]", _without_nulls(ds[index])
 
 
+def _parquet_rows(path: str) -> Iterator[tuple[int, str, Any]]:
+    # Read in place: datasets would copy the file into its Arrow cache, which it keys on the file's mtime, and a
+    # file rewritten with its mtime kept (cp -p, rsync -t) would then be read as its old rows.
+    import pyarrow
+    import pyarrow.parquet
+
+    index = 0
+    try:
+        for batch in pyarrow.parquet.ParquetFile(path).iter_batches(batch_size=_CHUNK):
+            for row in batch.to_pylist():
+                yield index, f"{path}[{index}]", _without_nulls(row)
+                index += 1
+    except (pyarrow.ArrowException, OSError) as e:
+        raise DataError(
+            f"{path}: not a readable Parquet file ({e}); it is truncated, damaged or in another format: "
+            "write it again, or name the file for what it holds"
+        ) from e
+
+
 def _without_nulls(value: Any) -> Any:
     # Arrow gives every struct the union of all fields, None where a row lacks one; JSON rows lack them instead.
     if isinstance(value, dict):
@@ -423,6 +440,9 @@ def _raw_rows(path: str, split: str | None = None) -> Iterator[tuple[int, str, A
     kind = _data_kind(path)
     if kind in ("dataset", "hub"):
         yield from _dataset_rows(path, split)
+        return
+    if kind == "parquet":
+        yield from _parquet_rows(path)
         return
     if kind == "json":
         try:
