@@ -209,6 +209,46 @@ def test_a_saved_dataset_dict_needs_a_split_and_reads_the_one_named(tmp_path):
     assert [r["conversations"] for r in got] == [r["conversations"] for r in splits["test"]]
 
 
+def _saved_dict(tmp_path) -> str:
+    import datasets
+
+    saved = str(tmp_path / "dd")
+    datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in _split_rows().items()}).save_to_disk(saved)
+    return saved
+
+
+def test_caches_of_two_splits_merge_and_one_appends_to_the_other(model_dir, tmp_path):
+    saved = _saved_dict(tmp_path)
+    for split in ("train", "test"):
+        _precompute(model_dir, saved, tmp_path / split, "--data-split", split)
+    assert main(["merge", str(tmp_path / "train"), str(tmp_path / "test"), "--out", str(tmp_path / "v")]) == 0
+    _precompute(model_dir, saved, tmp_path / "train", "--data-split", "test", "--append")
+    config = load_manifest_json(manifest_path(tmp_path / "train"))["config"]
+    assert config["data_split"] == "train" and config["appended"][0]["data_split"] == "test"
+    # A split is the data of its own directory: the same rows under another name are refused as already there.
+    assert file_content_hash(saved, "test") == file_content_hash(os.path.join(saved, "test"))
+    assert main(["precompute", "--model", model_dir, "--data", os.path.join(saved, "test"), "--out",
+                 str(tmp_path / "train"), *FLAGS, "--append"]) == 1  # fmt: skip
+
+
+def test_a_split_of_data_without_splits_is_refused_naming_the_argument(model_dir, tmp_path, capsys):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    with pytest.raises(DataError, match="--data-split train: .* has no splits"):
+        list(iter_rows(str(data), split="train"))
+    argv = ["precompute", "--model", model_dir, "--data", str(data), "--out", str(tmp_path / "out"), *FLAGS]
+    assert main([*argv, "--data-split", "train"]) == 1
+    assert "error: --data-split train:" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_an_invalid_dataset_dict_json_is_an_error_naming_it(tmp_path):
+    saved = _saved_dict(tmp_path)
+    with open(os.path.join(saved, "dataset_dict.json"), "w") as f:
+        f.write('{"splits": ["train", "te')
+    with pytest.raises(DataError, match=r"dd/dataset_dict.json: not a valid dataset_dict.json"):
+        list(iter_rows(saved, split="train"))
+
+
 def test_a_chat_template_with_a_syntax_error_fails_up_front_naming_the_file_and_line(model_dir, tmp_path, capsys):
     template = tmp_path / "broken.jinja"
     template.write_text("{%- for m in messages -%}\n{{ m.content }\n{%- endfor -%}\n")

@@ -422,6 +422,8 @@ TRIGGERS: dict[str, T] = {
     "the gzip file is truncated": lambda e: _data_file(e, "rows.jsonl.gz", gzip.compress(b"\n")[:-4]),
     "it is damaged or in another format": lambda e: _data_file(e, "rows.jsonl.gz", b"{}\n"),
     "not a readable Parquet file": lambda e: _data_file(e, "rows.parquet", b"PAR1"),
+    "not a valid dataset_dict.json": lambda e: (_touch(e.tmp / "dataset_dict.json", b"{"), _load(e.tmp)),
+    "has no splits": lambda e: _load(_touch(e.tmp / "rows.jsonl"), split="train"),
     "not a valid Jinja template": lambda e: chat_format(_tokenizer(), str(_touch(e.tmp / "t.jinja", b"{{ x }"))),
     "a row needs exactly one of": lambda e: _row({"text": "hi"}),
     "must be a non-empty list of messages": lambda e: _row({"messages": []}),
@@ -454,10 +456,10 @@ def _touch(path: Path, content: bytes = b"x") -> Path:
     return path
 
 
-def _load(path: Path) -> None:
+def _load(path: Path, split: str | None = None) -> None:
     from speccache.data import load_samples
 
-    load_samples(str(path), _tokenizer(), 64)
+    load_samples(str(path), _tokenizer(), 64, split=split)
 
 
 def _row_with_template(template: str) -> None:

@@ -4,7 +4,8 @@ Input files are ``.jsonl`` (one JSON object per line, blank lines ignored), ``.j
 (the same, compressed; a file that ends inside a gzip member or zstd frame is an error, not a shorter file),
 ``.json`` (one JSON list of objects), ``.parquet`` (read in place with ``pyarrow``, never copied into a cache),
 or a directory written by Hugging Face ``datasets``' ``save_to_disk`` (read through ``datasets``, memory-mapped
-Arrow). A row is one of:
+Arrow; ``--data-split`` chooses a ``DatasetDict``'s split, and is refused for data without splits). A row is
+one of:
 
 * ShareGPT / FastChat: ``{"conversations": [{"from": "human"|"gpt"|"system"|"user"|"assistant", "value": str},
   ...]}`` (``human`` means ``user`` and ``gpt`` means ``assistant``), with an optional top-level ``"system"``
@@ -57,6 +58,7 @@ __all__ = [
     "TokenizedSample",
     "TokenizedSamples",
     "chat_template_of",
+    "data_root",
     "file_content_hash",
     "iter_rows",
     "load_samples",
@@ -375,30 +377,66 @@ def _lines(path: str) -> Iterator[bytes]:
         raise _damaged(path, "gzip", e) from e
 
 
+def _saved_splits(path: str) -> list[str] | None:
+    """The splits a saved ``DatasetDict`` directory lists in its ``dataset_dict.json``; None for a saved ``Dataset``."""
+    listing = os.path.join(path, "dataset_dict.json")
+    if not os.path.exists(listing):
+        return None
+    body, problem = None, ""
+    try:
+        with open(listing, encoding="utf-8") as f:
+            body = json.load(f)
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        problem = f" ({e})"
+    splits = body.get("splits") if isinstance(body, dict) else None
+    if not isinstance(splits, list) or not splits or not all(isinstance(s, str) for s in splits):
+        raise DataError(
+            f"{listing}: not a valid dataset_dict.json{problem}; it must be JSON like "
+            '{"splits": ["train", ...]}: save the DatasetDict again, or pass the directory of one split'
+        )
+    return splits
+
+
+def data_root(path: str, split: str | None = None) -> str:
+    """The file or directory that holds the rows of local data ``path`` with ``--data-split split``.
+
+    It is what the data's hash covers: a saved ``DatasetDict``'s split is its own directory.
+
+    Raises:
+        DataError: a ``DatasetDict`` without a known ``split``, or a ``split`` of data that has no splits.
+    """
+    splits = _saved_splits(path) if os.path.isdir(path) else None
+    if splits is None:
+        if split is not None:
+            raise DataError(
+                f"--data-split {split}: {path} has no splits (only a directory saved from a DatasetDict has); "
+                "drop --data-split"
+            )
+        return path
+    if split is None:
+        raise DataError(
+            f"{path}: a saved DatasetDict holds several splits ({', '.join(splits)}); choose one with "
+            f"--data-split (or pass the directory of one split, e.g. {os.path.join(path, splits[0])})"
+        )
+    if split not in splits:
+        raise DataError(f"{path}: no split {split!r}; --data-split must be one of {', '.join(splits)}")
+    return os.path.join(path, split)
+
+
 def _load_dataset(path: str, split: str | None) -> Any:
     """The ``datasets.Dataset`` of a saved dataset or a hub id (``split`` chooses among splits)."""
     import datasets
 
-    if _data_kind(path) == "hub":
-        try:
-            return datasets.load_dataset(path, split=split or "train")
-        except Exception as exc:
-            raise DataError(
-                f"--data {path}: cannot load it as a Hugging Face hub dataset (split {split or 'train'!r}): "
-                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. Check the id, the split "
-                "and the network, or pass a local file"
-            ) from exc
-    ds = datasets.load_from_disk(path)
-    if isinstance(ds, datasets.DatasetDict):
-        if split is None:
-            raise DataError(
-                f"{path}: a saved DatasetDict holds several splits ({', '.join(ds)}); choose one with "
-                f"--data-split (or pass the directory of one split, e.g. {path}/train)"
-            )
-        if split not in ds:
-            raise DataError(f"{path}: no split {split!r}; --data-split must be one of {', '.join(ds)}")
-        ds = ds[split]
-    return ds
+    if _data_kind(path) != "hub":
+        return datasets.load_from_disk(data_root(path, split))
+    try:
+        return datasets.load_dataset(path, split=split or "train")
+    except Exception as exc:
+        raise DataError(
+            f"--data {path}: cannot load it as a Hugging Face hub dataset (split {split or 'train'!r}): "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. Check the id, the split "
+            "and the network, or pass a local file"
+        ) from exc
 
 
 def _dataset_rows(path: str, split: str | None) -> Iterator[tuple[int, str, Any]]:
@@ -441,6 +479,7 @@ def _raw_rows(path: str, split: str | None = None) -> Iterator[tuple[int, str, A
     if kind in ("dataset", "hub"):
         yield from _dataset_rows(path, split)
         return
+    data_root(path, split)  # refuses a --data-split of a data file
     if kind == "parquet":
         yield from _parquet_rows(path)
         return
@@ -806,14 +845,17 @@ class _Encoder:
 def file_content_hash(path: str, split: str | None = None) -> str:
     """The xxh3-128 of a data file's bytes (recorded in the manifest, so a resume refuses changed data).
 
-    For a saved dataset directory: the xxh3-128 of every file's relative path and checksum, in path order.
-    For a hub dataset: its ``datasets`` fingerprint (which follows the files it was built from).
+    For a saved dataset directory: the xxh3-128 of every file's relative path and checksum, in path order; for
+    a split of a saved ``DatasetDict``, those of the split's directory (:func:`data_root`), so that two splits are
+    two data and a split hashes as its directory passed alone. For a hub dataset: its ``datasets`` fingerprint
+    (which follows the files it was built from, and the split).
 
     Raises:
-        DataError: the file is missing.
+        DataError: the file is missing, or ``split`` does not fit the data (see :func:`data_root`).
     """
     if _data_kind(path) == "hub":
         return xxhash.xxh3_128_hexdigest(str(_load_dataset(path, split)._fingerprint).encode("utf-8"))
+    path = data_root(path, split)
     try:
         if not os.path.isdir(path):
             return file_checksum(path)
