@@ -249,6 +249,17 @@ def test_an_invalid_dataset_dict_json_is_an_error_naming_it(tmp_path):
         list(iter_rows(saved, split="train"))
 
 
+def test_out_inside_the_saved_dataset_it_reads_is_refused_up_front(model_dir, tmp_path, capsys):
+    saved = _saved_dict(tmp_path)
+    before = file_content_hash(saved, "train")
+    out = os.path.join(saved, "train", "cache")
+    argv = ["precompute", "--model", model_dir, "--data", saved, "--data-split", "train", "--out", out, *FLAGS]
+    assert main(argv) == 1
+    assert "lies inside --data" in capsys.readouterr().err
+    assert not os.path.exists(out) and file_content_hash(saved, "train") == before
+    _precompute(model_dir, saved, os.path.join(saved, "cache"), "--data-split", "train")  # beside the split: fine
+
+
 def test_a_chat_template_with_a_syntax_error_fails_up_front_naming_the_file_and_line(model_dir, tmp_path, capsys):
     template = tmp_path / "broken.jinja"
     template.write_text("{%- for m in messages -%}\n{{ m.content }\n{%- endfor -%}\n")

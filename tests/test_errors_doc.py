@@ -45,6 +45,7 @@ from speccache.offline_cache import (
     write_tensor_shard,
 )
 from speccache.precompute.audit import audit_cache
+from speccache.precompute.run import check_out_outside_data
 from speccache.precompute.target import Checkpoint, check_shard_target, check_tp_plan
 from speccache.read import CacheDataset
 from speccache.read.sampler import LocalityShuffleSampler
@@ -424,6 +425,7 @@ TRIGGERS: dict[str, T] = {
     "not a readable Parquet file": lambda e: _data_file(e, "rows.parquet", b"PAR1"),
     "not a valid dataset_dict.json": lambda e: (_touch(e.tmp / "dataset_dict.json", b"{"), _load(e.tmp)),
     "has no splits": lambda e: _load(_touch(e.tmp / "rows.jsonl"), split="train"),
+    "lies inside --data": lambda e: check_out_outside_data(str(e.tmp / "cache"), str(e.tmp)),
     "not a valid Jinja template": lambda e: chat_format(_tokenizer(), str(_touch(e.tmp / "t.jinja", b"{{ x }"))),
     "a row needs exactly one of": lambda e: _row({"text": "hi"}),
     "must be a non-empty list of messages": lambda e: _row({"messages": []}),
