@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
 import xxhash
+import zstandard
 
 from speccache.data import (
     DataStats,
@@ -362,3 +366,88 @@ def test_rows_split_across_ranks_merge_into_the_whole(tmp_path, tok):
     with pytest.raises(DataError) as first:
         load_samples(path, tok, 40, part=(1, 3))
     assert first.value.row == 1  # the rank's first bad row, so ranks can agree on the file's first
+
+
+# compressed files cut short, or not what their name says
+
+
+def _lines_text(n: int = 3000) -> bytes:
+    return "".join(json.dumps(sharegpt_row()) + "\n" for _ in range(n)).encode()
+
+
+@pytest.mark.parametrize("cut", ["half", "last byte", "its checksum"])
+def test_a_truncated_zstd_file_is_an_error_naming_it(tmp_path, cut):
+    # What the zstd CLI writes too: one frame with its content size and a checksum.
+    packed = zstandard.ZstdCompressor(write_checksum=True).compress(_lines_text())
+    path = tmp_path / "rows.jsonl.zst"
+    path.write_bytes(packed[: {"half": len(packed) // 2, "last byte": -1, "its checksum": -4}[cut]])
+    with pytest.raises(DataError, match=rf"{re.escape(str(path))}: the zstd file is truncated"):
+        list(iter_rows(str(path)))
+
+
+@pytest.mark.skipif(shutil.which("zstd") is None, reason="needs the zstd command")
+def test_a_truncated_file_of_the_zstd_command_is_an_error(tmp_path):
+    plain = tmp_path / "rows.jsonl"
+    plain.write_bytes(_lines_text())
+    subprocess.run(["zstd", "-q", str(plain), "-o", str(tmp_path / "whole.jsonl.zst")], check=True)
+    packed = (tmp_path / "whole.jsonl.zst").read_bytes()
+    assert len(list(iter_rows(str(tmp_path / "whole.jsonl.zst")))) == 3000
+    (tmp_path / "cut.jsonl.zst").write_bytes(packed[: len(packed) // 2])
+    with pytest.raises(DataError, match="the zstd file is truncated"):
+        list(iter_rows(str(tmp_path / "cut.jsonl.zst")))
+
+
+def test_every_frame_of_a_zstd_file_is_read_and_a_cut_in_the_last_one_is_refused(tmp_path):
+    frames = [zstandard.ZstdCompressor().compress(_lines_text(n)) for n in (5, 7)]
+    path = tmp_path / "rows.jsonl.zst"
+    path.write_bytes(b"".join(frames))
+    assert [i for i, _ in iter_rows(str(path))] == list(range(12))
+    path.write_bytes(b"".join(frames)[:-3])
+    with pytest.raises(DataError, match="truncated"):
+        list(iter_rows(str(path)))
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "pattern"),
+    [
+        ("rows.jsonl.gz", gzip.compress(_lines_text(300))[:-100], "the gzip file is truncated"),
+        ("rows.jsonl.gz", _lines_text(3), "not a valid gzip file"),
+        ("rows.jsonl.zst", _lines_text(3), "not a valid zstd file"),
+    ],
+)
+def test_a_damaged_or_misnamed_compressed_file_is_an_error_even_when_skipping(tmp_path, tok, name, content, pattern):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=rf"{re.escape(str(path))}: {pattern}"):
+        load_samples(str(path), tok, 64, skip_bad_rows=True)
+
+
+# parquet files, read in place
+
+
+def test_a_parquet_rewritten_with_its_mtime_kept_is_read_anew_and_never_cached(tmp_path, tok, monkeypatch):
+    import datasets
+    import pyarrow
+    import pyarrow.parquet
+
+    cache = tmp_path / "hf-datasets"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    path = str(tmp_path / "rows.parquet")
+    short, long = (openai_row(CONVERSATION[:3]), openai_row(CONVERSATION))
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist([short] * 3), path)
+    stamp = os.stat(path)
+    first, _ = load_samples(path, tok, 256)
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist([long] * 4), path)  # what cp -p or rsync -t leave
+    os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    second, _ = load_samples(path, tok, 256)
+    assert len(first) == 3 and len(second) == 4
+    assert second[0] == tokenize_row(long, tok, 256, where="x", source_row=0)
+    assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_a_damaged_parquet_file_is_an_error_naming_it(tmp_path, tok):
+    path = tmp_path / "rows.parquet"
+    path.write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match=rf"{re.escape(str(path))}: not a readable Parquet file"):
+        load_samples(str(path), tok, 64, skip_bad_rows=True)

@@ -3,10 +3,15 @@ tokenizers without a chat template API, FastChat rows, the truncation warning, s
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import zstandard
@@ -204,6 +209,69 @@ def test_a_saved_dataset_dict_needs_a_split_and_reads_the_one_named(tmp_path):
     assert [r["conversations"] for r in got] == [r["conversations"] for r in splits["test"]]
 
 
+def _saved_dict(tmp_path) -> str:
+    import datasets
+
+    saved = str(tmp_path / "dd")
+    datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in _split_rows().items()}).save_to_disk(saved)
+    return saved
+
+
+def test_caches_of_two_splits_merge_and_one_appends_to_the_other(model_dir, tmp_path):
+    saved = _saved_dict(tmp_path)
+    for split in ("train", "test"):
+        _precompute(model_dir, saved, tmp_path / split, "--data-split", split)
+    assert main(["merge", str(tmp_path / "train"), str(tmp_path / "test"), "--out", str(tmp_path / "v")]) == 0
+    _precompute(model_dir, saved, tmp_path / "train", "--data-split", "test", "--append")
+    config = load_manifest_json(manifest_path(tmp_path / "train"))["config"]
+    assert config["data_split"] == "train" and config["appended"][0]["data_split"] == "test"
+    # A split is the data of its own directory: the same rows under another name are refused as already there.
+    assert file_content_hash(saved, "test") == file_content_hash(os.path.join(saved, "test"))
+    assert main(["precompute", "--model", model_dir, "--data", os.path.join(saved, "test"), "--out",
+                 str(tmp_path / "train"), *FLAGS, "--append"]) == 1  # fmt: skip
+
+
+def test_a_split_of_data_without_splits_is_refused_naming_the_argument(model_dir, tmp_path, capsys):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    with pytest.raises(DataError, match="--data-split train: .* has no splits"):
+        list(iter_rows(str(data), split="train"))
+    argv = ["precompute", "--model", model_dir, "--data", str(data), "--out", str(tmp_path / "out"), *FLAGS]
+    assert main([*argv, "--data-split", "train"]) == 1
+    assert "error: --data-split train:" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_an_invalid_dataset_dict_json_is_an_error_naming_it(tmp_path):
+    saved = _saved_dict(tmp_path)
+    with open(os.path.join(saved, "dataset_dict.json"), "w") as f:
+        f.write('{"splits": ["train", "te')
+    with pytest.raises(DataError, match=r"dd/dataset_dict.json: not a valid dataset_dict.json"):
+        list(iter_rows(saved, split="train"))
+
+
+def test_out_inside_the_saved_dataset_it_reads_is_refused_up_front(model_dir, tmp_path, capsys):
+    saved = _saved_dict(tmp_path)
+    before = file_content_hash(saved, "train")
+    out = os.path.join(saved, "train", "cache")
+    argv = ["precompute", "--model", model_dir, "--data", saved, "--data-split", "train", "--out", out, *FLAGS]
+    assert main(argv) == 1
+    assert "lies inside --data" in capsys.readouterr().err
+    assert not os.path.exists(out) and file_content_hash(saved, "train") == before
+    _precompute(model_dir, saved, os.path.join(saved, "cache"), "--data-split", "train")  # beside the split: fine
+
+
+def test_a_chat_template_with_a_syntax_error_fails_up_front_naming_the_file_and_line(model_dir, tmp_path, capsys):
+    template = tmp_path / "broken.jinja"
+    template.write_text("{%- for m in messages -%}\n{{ m.content }\n{%- endfor -%}\n")
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    argv = ["precompute", "--model", model_dir, "--data", str(data), "--out", str(tmp_path / "out"), *FLAGS]
+    assert main([*argv, "--chat-template", str(template), "--skip-bad-rows"]) == 1
+    err = capsys.readouterr().err
+    assert f"error: --chat-template {template}: line 2: not a valid Jinja template" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
 def test_a_hub_id_is_read_through_load_dataset_with_its_split(monkeypatch):
     import datasets
 
@@ -234,3 +302,45 @@ def test_an_unreachable_hub_dataset_is_a_data_error(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(DataError, match="cannot load it as a Hugging Face hub dataset.*Couldn't reach"):
         list(iter_rows("org/chat-data"))
+
+
+# Ctrl-C while worker processes tokenize
+
+
+def _group(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry))
+    return members
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process groups from /proc")
+def test_ctrl_c_while_worker_processes_tokenize_ends_the_run_and_its_workers(model_dir, tmp_path):
+    rows = _rows()
+    data = tmp_path / "many.jsonl"
+    data.write_text("".join(json.dumps(rows[i % len(rows)]) + "\n" for i in range(100_000)))
+    command = [sys.executable, "-m", "speccache", "precompute", "--model", model_dir, "--data", str(data)]
+    command += ["--out", str(tmp_path / "out"), "--num-proc", "2", "--max-length", "48", "--quiet"]
+    # A shell starts background jobs with SIGINT ignored, and the run would inherit that: restore the default.
+    restore = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
+    proc = subprocess.Popen(command, start_new_session=True, preexec_fn=restore, stderr=subprocess.PIPE, text=True)
+    try:
+        while len(_group(proc.pid)) < 3 and proc.poll() is None:  # the run itself and its two workers
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read()
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        code = proc.wait(timeout=60)  # a hang guard: it ends within seconds
+    finally:
+        if proc.poll() is None or _group(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert code != 0
+    assert not _group(proc.pid), "worker processes outlived the run"
+    assert not (tmp_path / "out" / "manifest.json").exists()

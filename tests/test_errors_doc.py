@@ -13,6 +13,7 @@ class (or ``verify`` for a ``speccache verify`` finding). This test
 from __future__ import annotations
 
 import ast
+import gzip
 import importlib.metadata
 import json
 import os
@@ -26,9 +27,11 @@ from unittest import mock
 
 import pytest
 import torch
+import zstandard
 from transformers import GPT2Config, LlamaConfig
 
 import speccache.errors as errors_module
+from speccache.data import chat_format
 from speccache.demo.real_target import build_real_model_dir, real_target_gguf
 from speccache.format import MANIFEST_NAME, KeySpec, Manifest, ShardFile, shard_path, write_safetensors
 from speccache.format.encoding import get_encoding
@@ -46,6 +49,7 @@ from speccache.offline_cache import (
 )
 from speccache.precompute.append import plan_append
 from speccache.precompute.audit import audit_cache
+from speccache.precompute.run import check_out_outside_data
 from speccache.precompute.target import Checkpoint, check_shard_target, check_tp_plan
 from speccache.read import CacheDataset
 from speccache.read.sampler import LocalityShuffleSampler
@@ -465,6 +469,14 @@ TRIGGERS: dict[str, T] = {
     "invalid JSON": lambda e: _data_file(e, "rows.jsonl", b"{"),
     "a .json data file must hold a JSON list": lambda e: _data_file(e, "rows.json", b"{}"),
     "expected a JSON object per row": lambda e: _data_file(e, "rows.jsonl", b"[1]"),
+    "the zstd file is truncated": lambda e: _data_file(e, "rows.jsonl.zst", zstandard.ZstdCompressor().compress(b"\n")[:-1]),
+    "the gzip file is truncated": lambda e: _data_file(e, "rows.jsonl.gz", gzip.compress(b"\n")[:-4]),
+    "it is damaged or in another format": lambda e: _data_file(e, "rows.jsonl.gz", b"{}\n"),
+    "not a readable Parquet file": lambda e: _data_file(e, "rows.parquet", b"PAR1"),
+    "not a valid dataset_dict.json": lambda e: (_touch(e.tmp / "dataset_dict.json", b"{"), _load(e.tmp)),
+    "has no splits": lambda e: _load(_touch(e.tmp / "rows.jsonl"), split="train"),
+    "lies inside --data": lambda e: check_out_outside_data(str(e.tmp / "cache"), str(e.tmp)),
+    "not a valid Jinja template": lambda e: chat_format(_tokenizer(), str(_touch(e.tmp / "t.jinja", b"{{ x }"))),
     "a row needs exactly one of": lambda e: _row({"text": "hi"}),
     "must be a non-empty list of messages": lambda e: _row({"messages": []}),
     "must be an object with": lambda e: _row({"messages": ["hi"]}),
@@ -496,10 +508,10 @@ def _touch(path: Path, content: bytes = b"x") -> Path:
     return path
 
 
-def _load(path: Path) -> None:
+def _load(path: Path, split: str | None = None) -> None:
     from speccache.data import load_samples
 
-    load_samples(str(path), _tokenizer(), 64)
+    load_samples(str(path), _tokenizer(), 64, split=split)
 
 
 def _row_with_template(template: str) -> None:

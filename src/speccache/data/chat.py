@@ -1,9 +1,11 @@
 """Chat data loading and tokenisation for the feature precompute.
 
 Input files are ``.jsonl`` (one JSON object per line, blank lines ignored), ``.jsonl.gz`` / ``.jsonl.zst``
-(the same, compressed), ``.json`` (one JSON list of objects), ``.parquet``, or a directory written by
-Hugging Face ``datasets``' ``save_to_disk`` (the last two are read through ``datasets``, memory-mapped
-Arrow). A row is one of:
+(the same, compressed; a file that ends inside a gzip member or zstd frame is an error, not a shorter file),
+``.json`` (one JSON list of objects), ``.parquet`` (read in place with ``pyarrow``, never copied into a cache),
+or a directory written by Hugging Face ``datasets``' ``save_to_disk`` (read through ``datasets``, memory-mapped
+Arrow; ``--data-split`` chooses a ``DatasetDict``'s split, and is refused for data without splits). A row is
+one of:
 
 * ShareGPT / FastChat: ``{"conversations": [{"from": "human"|"gpt"|"system"|"user"|"assistant", "value": str},
   ...]}`` (``human`` means ``user`` and ``gpt`` means ``assistant``), with an optional top-level ``"system"``
@@ -34,6 +36,8 @@ import io
 import itertools
 import json
 import os
+import signal
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +58,7 @@ __all__ = [
     "TokenizedSample",
     "TokenizedSamples",
     "chat_template_of",
+    "data_root",
     "file_content_hash",
     "iter_rows",
     "load_samples",
@@ -256,7 +261,7 @@ def is_hub_id(path: str) -> bool:
 
 
 def _data_kind(path: str) -> str:
-    """``lines``, ``json``, ``dataset`` (read through ``datasets``) or ``hub``."""
+    """``lines``, ``json``, ``parquet``, ``dataset`` (a saved one, read through ``datasets``) or ``hub``."""
     if is_hub_id(path):
         return "hub"
     if os.path.isdir(path):
@@ -278,7 +283,7 @@ def _data_kind(path: str) -> str:
     if lower.endswith(".json"):
         return "json"
     if lower.endswith(_DATASET_SUFFIXES):
-        return "dataset"
+        return "parquet"
     ext = os.path.splitext(path)[1].lower()
     raise DataError(
         f"unsupported data file extension {ext or '(none)'!r}: {path}; use .jsonl (one JSON object "
@@ -286,49 +291,181 @@ def _data_kind(path: str) -> str:
     )
 
 
-def _open_lines(path: str) -> io.BufferedIOBase:
-    lower = path.lower()
-    if lower.endswith(".gz"):
-        return gzip.open(path, "rb")  # type: ignore[return-value]
-    if lower.endswith(".zst"):
+_READ_SIZE = 1 << 16
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of every zstd frame in a file, refusing a file that ends inside a frame.
+
+    ``zstandard``'s ``stream_reader`` returns end-of-file for a frame cut anywhere, so a truncated file
+    would read as a shorter whole one. A frame is complete only when the decoder says so (its end mark,
+    and its content size and checksum where the header has them, which the ``zstd`` CLI and
+    ``ZstdCompressor`` write by default). A file of several frames cut exactly between two frames still
+    looks whole: nothing in a frame says that another one follows.
+    """
+
+    def __init__(self, path: str) -> None:
         import zstandard
 
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
-    return open(path, "rb")
+        self.path, self._file, self._error = path, open(path, "rb"), zstandard.ZstdError
+        self._decompressor = zstandard.ZstdDecompressor()
+        self._frame = self._decompressor.decompressobj()
+        self._in_frame, self._frames = False, 0
+        self._out, self._at = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while self._at == len(self._out):
+            chunk = self._file.read(_READ_SIZE)
+            if not chunk:
+                if self._in_frame or not self._frames:
+                    raise DataError(
+                        f"{self.path}: the zstd file is truncated (it ends inside a frame, or holds none); "
+                        "it was cut short (an interrupted download or copy): fetch or write it again"
+                    )
+                return 0
+            self._out, self._at = self._decompress(chunk), 0
+        n = min(len(buffer), len(self._out) - self._at)
+        buffer[:n] = self._out[self._at : self._at + n]
+        self._at += n
+        return n
+
+    def _decompress(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            try:
+                out.append(self._frame.decompress(data))
+            except self._error as e:
+                raise _damaged(self.path, "zstd", e) from e
+            self._in_frame = not self._frame.eof
+            if self._in_frame:
+                break
+            self._frames += 1
+            data, self._frame = self._frame.unused_data, self._decompressor.decompressobj()
+        return b"".join(out)
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def _damaged(path: str, kind: str, error: BaseException) -> DataError:
+    return DataError(
+        f"{path}: not a valid {kind} file ({error}); it is damaged or in another format: "
+        f"compress the .jsonl with {kind} again, or name the file for what it holds"
+    )
+
+
+def _lines(path: str) -> Iterator[bytes]:
+    """The raw lines of a JSON-lines file, decompressed; a damaged or truncated file is a ``DataError``."""
+    lower = path.lower()
+    if lower.endswith(".zst"):
+        with io.BufferedReader(_ZstdFrames(path)) as f:
+            yield from f
+        return
+    if not lower.endswith(".gz"):
+        with open(path, "rb") as f:
+            yield from f
+        return
+    try:
+        with gzip.open(path, "rb") as f:
+            yield from f
+    except EOFError as e:
+        raise DataError(
+            f"{path}: the gzip file is truncated ({e}); it was cut short (an interrupted download or copy): "
+            "fetch or write it again"
+        ) from e
+    except (gzip.BadGzipFile, zlib.error) as e:
+        raise _damaged(path, "gzip", e) from e
+
+
+def _saved_splits(path: str) -> list[str] | None:
+    """The splits a saved ``DatasetDict`` directory lists in its ``dataset_dict.json``; None for a saved ``Dataset``."""
+    listing = os.path.join(path, "dataset_dict.json")
+    if not os.path.exists(listing):
+        return None
+    body, problem = None, ""
+    try:
+        with open(listing, encoding="utf-8") as f:
+            body = json.load(f)
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        problem = f" ({e})"
+    splits = body.get("splits") if isinstance(body, dict) else None
+    if not isinstance(splits, list) or not splits or not all(isinstance(s, str) for s in splits):
+        raise DataError(
+            f"{listing}: not a valid dataset_dict.json{problem}; it must be JSON like "
+            '{"splits": ["train", ...]}: save the DatasetDict again, or pass the directory of one split'
+        )
+    return splits
+
+
+def data_root(path: str, split: str | None = None) -> str:
+    """The file or directory that holds the rows of local data ``path`` with ``--data-split split``.
+
+    It is what the data's hash covers: a saved ``DatasetDict``'s split is its own directory.
+
+    Raises:
+        DataError: a ``DatasetDict`` without a known ``split``, or a ``split`` of data that has no splits.
+    """
+    splits = _saved_splits(path) if os.path.isdir(path) else None
+    if splits is None:
+        if split is not None:
+            raise DataError(
+                f"--data-split {split}: {path} has no splits (only a directory saved from a DatasetDict has); "
+                "drop --data-split"
+            )
+        return path
+    if split is None:
+        raise DataError(
+            f"{path}: a saved DatasetDict holds several splits ({', '.join(splits)}); choose one with "
+            f"--data-split (or pass the directory of one split, e.g. {os.path.join(path, splits[0])})"
+        )
+    if split not in splits:
+        raise DataError(f"{path}: no split {split!r}; --data-split must be one of {', '.join(splits)}")
+    return os.path.join(path, split)
 
 
 def _load_dataset(path: str, split: str | None) -> Any:
-    """The ``datasets.Dataset`` of a saved dataset, a parquet file or a hub id (``split`` chooses among splits)."""
+    """The ``datasets.Dataset`` of a saved dataset or a hub id (``split`` chooses among splits)."""
     import datasets
 
-    if _data_kind(path) == "hub":
-        try:
-            return datasets.load_dataset(path, split=split or "train")
-        except Exception as exc:
-            raise DataError(
-                f"--data {path}: cannot load it as a Hugging Face hub dataset (split {split or 'train'!r}): "
-                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. Check the id, the split "
-                "and the network, or pass a local file"
-            ) from exc
-    if not os.path.isdir(path):
-        return datasets.Dataset.from_parquet(path)
-    ds = datasets.load_from_disk(path)
-    if isinstance(ds, datasets.DatasetDict):
-        if split is None:
-            raise DataError(
-                f"{path}: a saved DatasetDict holds several splits ({', '.join(ds)}); choose one with "
-                f"--data-split (or pass the directory of one split, e.g. {path}/train)"
-            )
-        if split not in ds:
-            raise DataError(f"{path}: no split {split!r}; --data-split must be one of {', '.join(ds)}")
-        ds = ds[split]
-    return ds
+    if _data_kind(path) != "hub":
+        return datasets.load_from_disk(data_root(path, split))
+    try:
+        return datasets.load_dataset(path, split=split or "train")
+    except Exception as exc:
+        raise DataError(
+            f"--data {path}: cannot load it as a Hugging Face hub dataset (split {split or 'train'!r}): "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. Check the id, the split "
+            "and the network, or pass a local file"
+        ) from exc
 
 
 def _dataset_rows(path: str, split: str | None) -> Iterator[tuple[int, str, Any]]:
     ds = _load_dataset(path, split)
     for index in range(len(ds)):
         yield index, f"{path}[{index}]", _without_nulls(ds[index])
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[int, str, Any]]:
+    # Read in place: datasets would copy the file into its Arrow cache, which it keys on the file's mtime, and a
+    # file rewritten with its mtime kept (cp -p, rsync -t) would then be read as its old rows.
+    import pyarrow
+    import pyarrow.parquet
+
+    index = 0
+    try:
+        for batch in pyarrow.parquet.ParquetFile(path).iter_batches(batch_size=_CHUNK):
+            for row in batch.to_pylist():
+                yield index, f"{path}[{index}]", _without_nulls(row)
+                index += 1
+    except (pyarrow.ArrowException, OSError) as e:
+        raise DataError(
+            f"{path}: not a readable Parquet file ({e}); it is truncated, damaged or in another format: "
+            "write it again, or name the file for what it holds"
+        ) from e
 
 
 def _without_nulls(value: Any) -> Any:
@@ -345,6 +482,10 @@ def _raw_rows(path: str, split: str | None = None) -> Iterator[tuple[int, str, A
     kind = _data_kind(path)
     if kind in ("dataset", "hub"):
         yield from _dataset_rows(path, split)
+        return
+    data_root(path, split)  # refuses a --data-split of a data file
+    if kind == "parquet":
+        yield from _parquet_rows(path)
         return
     if kind == "json":
         try:
@@ -364,30 +505,29 @@ def _raw_rows(path: str, split: str | None = None) -> Iterator[tuple[int, str, A
         for index, row in enumerate(rows):
             yield index, f"{path}[{index}]", row
         return
-    with _open_lines(path) as f:
-        for line_no, raw in enumerate(f, start=1):
-            where = f"{path}:{line_no}"
-            try:
-                text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                yield (
-                    line_no - 1,
-                    where,
-                    _row_error(f"{where}: not valid UTF-8 ({e.reason}); re-encode the line as UTF-8"),
-                )
-                continue
-            if not text.strip():
-                continue
-            try:
-                yield line_no - 1, where, json.loads(text)
-            except json.JSONDecodeError as e:
-                yield (
-                    line_no - 1,
-                    where,
-                    _row_error(
-                        f"{where}: invalid JSON ({e.msg}, column {e.colno}); fix or remove the line, or skip bad rows"
-                    ),
-                )
+    for line_no, raw in enumerate(_lines(path), start=1):
+        where = f"{path}:{line_no}"
+        try:
+            text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            yield (
+                line_no - 1,
+                where,
+                _row_error(f"{where}: not valid UTF-8 ({e.reason}); re-encode the line as UTF-8"),
+            )
+            continue
+        if not text.strip():
+            continue
+        try:
+            yield line_no - 1, where, json.loads(text)
+        except json.JSONDecodeError as e:
+            yield (
+                line_no - 1,
+                where,
+                _row_error(
+                    f"{where}: invalid JSON ({e.msg}, column {e.colno}); fix or remove the line, or skip bad rows"
+                ),
+            )
 
 
 def _not_an_object(where: str, value: Any) -> RowFailure:
@@ -655,6 +795,14 @@ def _init_worker(tokenizer: Any, fmt: ChatFormat | None) -> None:
     _WORKER.update(tokenizer=tokenizer, fmt=fmt)
 
 
+def _init_pool_worker(tokenizer: Any, fmt: ChatFormat | None) -> None:
+    # Ctrl-C signals the whole process group. A worker interrupted inside a task loses it (or dies holding the task
+    # queue's lock), and the pool then waits for that result forever; only the parent stops on Ctrl-C, and the
+    # workers finish the tasks in flight as on any other early exit.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(tokenizer, fmt)
+
+
 class _Encoder:
     """Encodes rows in order, in ``num_proc`` forked worker processes when ``num_proc > 1``."""
 
@@ -671,7 +819,7 @@ class _Encoder:
             # The workers inherit the tokenizer by fork; its own thread pool must not be live across the fork.
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
             context = multiprocessing.get_context("fork")
-            self.pool = context.Pool(self.num_proc, _init_worker, (self.tokenizer, self.fmt))
+            self.pool = context.Pool(self.num_proc, _init_pool_worker, (self.tokenizer, self.fmt))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -701,14 +849,17 @@ class _Encoder:
 def file_content_hash(path: str, split: str | None = None) -> str:
     """The xxh3-128 of a data file's bytes (recorded in the manifest, so a resume refuses changed data).
 
-    For a saved dataset directory: the xxh3-128 of every file's relative path and checksum, in path order.
-    For a hub dataset: its ``datasets`` fingerprint (which follows the files it was built from).
+    For a saved dataset directory: the xxh3-128 of every file's relative path and checksum, in path order; for
+    a split of a saved ``DatasetDict``, those of the split's directory (:func:`data_root`), so that two splits are
+    two data and a split hashes as its directory passed alone. For a hub dataset: its ``datasets`` fingerprint
+    (which follows the files it was built from, and the split).
 
     Raises:
-        DataError: the file is missing.
+        DataError: the file is missing, or ``split`` does not fit the data (see :func:`data_root`).
     """
     if _data_kind(path) == "hub":
         return xxhash.xxh3_128_hexdigest(str(_load_dataset(path, split)._fingerprint).encode("utf-8"))
+    path = data_root(path, split)
     try:
         if not os.path.isdir(path):
             return file_checksum(path)

@@ -213,13 +213,25 @@ def chat_format(
     """The chat format of a run: ``--chat-template`` or the tokenizer's template; None when there is none.
 
     Raises:
-        DataError: the template file cannot be read.
+        DataError: the template file cannot be read, or the template is not valid Jinja.
         ValueError: unknown ``reasoning``.
     """
     template = load_template_file(template_file) if template_file else tokenizer_template(tokenizer)
     if template is None:
         return None
+    _check_syntax(template, f"--chat-template {template_file}" if template_file else "the tokenizer's chat template")
     return ChatFormat.for_tokenizer(tokenizer, template, reasoning, system_prompt, date)
+
+
+def _check_syntax(template: str, source: str) -> None:
+    # A syntax error is the run's configuration, not a row's: found before any row, whatever --skip-bad-rows says.
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)
+    except TemplateSyntaxError as e:
+        raise DataError(f"{source}: line {e.lineno}: not a valid Jinja template ({e.message}); fix the template") from e
 
 
 def _split_reasoning(content: str) -> tuple[str | None, str]:

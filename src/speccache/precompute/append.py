@@ -33,11 +33,12 @@ from torch.utils.data import Dataset
 from speccache.data import SKIPPED_ROWS_FILE
 from speccache.errors import CacheCorruptError, CacheExistsError, CacheIncompleteError, DataError
 from speccache.format import Manifest, NativeShard, ShardFile, load_manifest_json, manifest_path, shard_path
+from speccache.read.view import DATA_FIELDS as VIEW_DATA_FIELDS
 
 __all__ = ["DATA_FIELDS", "AppendPlan", "AppendedDataset", "merge_stats", "plan_append", "stored_selection"]
 
-DATA_FIELDS = frozenset({"data", "data_hash", "limit", "skip_bad_rows", "appended"})
-"""Configuration fields an append may change: which data the samples come from."""
+DATA_FIELDS = VIEW_DATA_FIELDS | {"appended"}
+"""Configuration fields an append may change: which data the samples come from (those merged views may differ in)."""
 
 
 @dataclass
@@ -77,7 +78,7 @@ def plan_append(out: str, run_config: Mapping[str, Any], new_samples: int, shard
     body = load_manifest_json(manifest_path(out))
     config = dict(body.get("config") or {})
     appended = list(config.get("appended") or [])
-    entry = {k: run_config.get(k) for k in ("data", "data_hash", "limit", "skip_bad_rows")}
+    entry = {k: run_config[k] for k in sorted(VIEW_DATA_FIELDS) if k in run_config}
     resuming = not body.get("complete") and bool(appended) and appended[-1]["data_hash"] == entry["data_hash"]
     if not body.get("complete") and not resuming:
         raise CacheIncompleteError(

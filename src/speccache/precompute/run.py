@@ -29,6 +29,7 @@ from speccache.data import (
     DataStats,
     TokenizedSamples,
     chat_format,
+    data_root,
     file_content_hash,
     is_hub_id,
     load_chat_tokenizer,
@@ -255,6 +256,8 @@ class PrecomputeConfig:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
         if not os.path.exists(self.data) and not is_hub_id(self.data):
             raise FileNotFoundError(f"--data {self.data}: no such file")
+        if self.out and not is_hub_id(self.data):
+            check_out_outside_data(self.out, data_root(self.data, self.data_split))
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise FileNotFoundError(f"--chat-template {self.chat_template}: no such file")
         if self.num_proc is not None and self.num_proc < 1:
@@ -266,6 +269,24 @@ class PrecomputeConfig:
         check_shard_target(self.shard_target, self.tp_size)
         if self.out and os.path.exists(self.out) and not os.path.isdir(self.out):
             raise NotADirectoryError(f"--out {self.out} is a file; give a directory for the cache")
+
+
+def check_out_outside_data(out: str, root: str) -> None:
+    """Refuse an output directory inside ``root``, the data directory (or file) that the data hash covers.
+
+    Refused rather than left out of the hash: the hash stays a function of the data alone, which anyone can
+    recompute from the dataset, and a cache does not belong among a dataset's files anyway.
+
+    Raises:
+        DataError: ``out`` is ``root`` or lies inside it.
+    """
+    real_out, real_root = os.path.realpath(out), os.path.realpath(root)
+    if os.path.commonpath([real_out, real_root]) == real_root:
+        raise DataError(
+            f"--out {out} lies inside --data {root}, whose files are the data's identity (its hash): the cache's "
+            "own files would change it, so the cache could never be resumed or appended to; write the cache "
+            f"outside {root}"
+        )
 
 
 def _looks_local(model: str) -> bool:

@@ -32,8 +32,8 @@ from speccache.read.stats import cache_sample_stats
 
 __all__ = ["ViewDataset", "make_merge_view", "make_subset_view", "parse_where", "verify_view"]
 
-DATA_FIELDS = frozenset({"data", "data_hash", "limit", "skip_bad_rows"})
-"""Config fields merged caches may differ in: what data they were computed from."""
+DATA_FIELDS = frozenset({"data", "data_hash", "data_split", "limit", "skip_bad_rows"})
+"""Config fields merged caches may differ in: what data they were computed from (a split is data of its own)."""
 
 _OPS: dict[str, Callable[[float, float], bool]] = {
     ">=": operator.ge,
