@@ -120,6 +120,18 @@ def test_merge_refuses_other_schema_or_settings(two, tmp_path):
     assert not os.path.exists(tmp / "v" / VIEW_NAME)
 
 
+def test_merge_reads_settings_as_a_resume_does_and_lets_appended_data_differ(two, tmp_path):
+    tmp, a, b = two
+    # a cache written before --nonfinite was recorded stands for the default, fail; an appended cache differs in data
+    write_samples(str(tmp / "old"), a, {"model": "m", "data": "a.jsonl"})
+    write_samples(str(tmp / "new"), b, {"model": "m", "data": "b.jsonl", "nonfinite": "fail", "appended": [{}]})
+    view = make_merge_view([str(tmp / "old"), str(tmp / "new")], str(tmp / "v"))
+    assert view.num_samples == len(a) + len(b)
+    write_samples(str(tmp / "skip"), b, {"model": "m", "data": "b.jsonl", "nonfinite": "skip"})
+    with pytest.raises(CacheFormatError, match=r"config.nonfinite: 'fail' != 'skip'"):
+        make_merge_view([str(tmp / "old"), str(tmp / "skip")], str(tmp / "v2"))
+
+
 def test_changed_or_vanished_source_fails_at_open(two):
     tmp, a, _ = two
     make_merge_view([str(tmp / "a"), str(tmp / "b")], str(tmp / "v"))

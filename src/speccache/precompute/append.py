@@ -33,11 +33,12 @@ from torch.utils.data import Dataset
 from speccache.data import SKIPPED_ROWS_FILE
 from speccache.errors import CacheCorruptError, CacheExistsError, CacheIncompleteError, DataError
 from speccache.format import Manifest, NativeShard, ShardFile, load_manifest_json, manifest_path, shard_path
+from speccache.read.view import CACHE_DATA_FIELDS
 from speccache.read.view import DATA_FIELDS as VIEW_DATA_FIELDS
 
 __all__ = ["DATA_FIELDS", "AppendPlan", "AppendedDataset", "merge_stats", "plan_append", "stored_selection"]
 
-DATA_FIELDS = VIEW_DATA_FIELDS | {"appended"}
+DATA_FIELDS = CACHE_DATA_FIELDS
 """Configuration fields an append may change: which data the samples come from (those merged views may differ in)."""
 
 

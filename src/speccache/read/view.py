@@ -26,6 +26,7 @@ from torch.utils.data import Dataset
 
 from speccache.errors import CacheFormatError, CacheIncompleteError
 from speccache.format import Manifest, file_checksum, shard_path
+from speccache.format.manifest import CONFIG_DEFAULTS
 from speccache.format.view import View, source_record
 from speccache.read.dataset import CacheDataset, Sample
 from speccache.read.stats import cache_sample_stats
@@ -33,7 +34,9 @@ from speccache.read.stats import cache_sample_stats
 __all__ = ["ViewDataset", "make_merge_view", "make_subset_view", "parse_where", "verify_view"]
 
 DATA_FIELDS = frozenset({"data", "data_hash", "data_split", "limit", "skip_bad_rows"})
-"""Config fields merged caches may differ in: what data they were computed from (a split is data of its own)."""
+"""Config fields that say what data one file's rows came from (a split is data of its own)."""
+CACHE_DATA_FIELDS = DATA_FIELDS | {"appended"}
+"""Config fields merged caches may differ in: their data, the files appended to them included."""
 
 _OPS: dict[str, Callable[[float, float], bool]] = {
     ">=": operator.ge,
@@ -111,10 +114,12 @@ def make_merge_view(caches: Sequence[str], out: str, weights: Sequence[float] | 
             for name, record in sorted(first.side_files.items())
             if name not in m.side_files or m.side_files[name].checksum != record.checksum
         ]  # e.g. a draft vocabulary chosen from other data: the sources' features would not mean the same
+        # as a resume reads them: a field younger than a cache stands for its default there
+        a, b = {**CONFIG_DEFAULTS, **first.config}, {**CONFIG_DEFAULTS, **m.config}
         differences += [
-            f"config.{k}: {first.config.get(k)!r} != {m.config.get(k)!r}"
-            for k in sorted((set(first.config) | set(m.config)) - DATA_FIELDS)
-            if first.config.get(k) != m.config.get(k)
+            f"config.{k}: {a.get(k)!r} != {b.get(k)!r}"
+            for k in sorted((set(a) | set(b)) - CACHE_DATA_FIELDS)
+            if a.get(k) != b.get(k)
         ]
         if differences:
             raise CacheFormatError(
