@@ -37,11 +37,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from speccache.compat import offline_cache as oc
 from speccache.data import SOURCE_ROW_KEY
 from speccache.errors import CacheExistsError, CacheFormatError
 from speccache.format import LENGTHS_KEY, Manifest, ShardFile, shard_path
+from speccache.format.durable import ensure_writable_dir, writes_to
 from speccache.methods import eagle3, layers
 from speccache.units import human_bytes
 from speccache.write import CacheWriter, SideFile
@@ -219,6 +221,8 @@ def export_cache(
         ValueError: an unknown ``to``.
         CacheExistsError: ``out`` is not empty.
         CacheFormatError: the cache cannot give what the layout needs (the message says what it holds).
+        OutputError: the operating system refuses ``out`` or a write in it (read-only, no permission, name too
+            long, disk full).
     """
     if to not in TARGETS:
         raise ValueError(f"--to {to!r} is unknown; choose one of nemo-dspark, nemo-eagle3")
@@ -229,14 +233,20 @@ def export_cache(
     side_bytes = sum(t.numel() * t.element_size() for t in plan.side_tensors.values())
     total = _bytes_per_sample(plan) * len(ds) + side_bytes
     log(f"speccache export: {len(ds)} samples padded to {length} tokens -> {out} ({to}): about {human_bytes(total)}")
-    os.makedirs(out, exist_ok=True)
-    oc.write_manifest(out, {**manifest, "complete": False}, plan.version)
+    ensure_writable_dir(out)
     save_file, _ = oc.load_safetensors(plan.cache_name)
-    oc.atomic_write(os.path.join(out, plan.side_name), lambda tmp: save_file(plan.side_tensors, tmp))
+    # Only the writes are wrapped (safetensors reports a full disk as its own error): a failed read of the source
+    # keeps its own message. Every write is atomic, so a full disk leaves nothing half-written under a final name.
+    with writes_to(out, SafetensorError):
+        oc.write_manifest(out, {**manifest, "complete": False}, plan.version)
+        oc.atomic_write(os.path.join(out, plan.side_name), lambda tmp: save_file(plan.side_tensors, tmp))
     for index, start in enumerate(range(0, len(ds), ds.shard_size)):
         samples = [dict(s) for s in ds.__getitems__(list(range(start, min(start + ds.shard_size, len(ds)))))]
-        oc.write_tensor_shard(out, index, plan.make(samples, length), plan.keys, plan.cache_name)
-    oc.write_manifest(out, {**manifest, "complete": True}, plan.version)
+        tensors = plan.make(samples, length)
+        with writes_to(out, SafetensorError):
+            oc.write_tensor_shard(out, index, tensors, plan.keys, plan.cache_name)
+    with writes_to(out):
+        oc.write_manifest(out, {**manifest, "complete": True}, plan.version)
     return manifest
 
 
