@@ -102,7 +102,9 @@ def test_a_directory_of_user_files_is_refused_and_every_file_survives(command, c
     }[command]  # fmt: skip
     src = str(Path(precompute.__file__).parents[2])  # these sources, whatever the installed speccache
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "speccache", *argv], capture_output=True, text=True, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "speccache", *argv], capture_output=True, text=True, env=env, timeout=300
+    )
     assert done.returncode == 1, done.stderr
     assert done.stderr.startswith(f"speccache {command}: error: {out} holds files speccache did not write")
     assert "choose a new or empty directory" in done.stderr and "Traceback" not in done.stderr

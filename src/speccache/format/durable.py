@@ -127,7 +127,8 @@ def ensure_writable_dir(directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
         probe = temp_path(os.path.join(directory, ".speccache-probe"))  # a temp name: swept if a kill leaves it
         os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-        os.unlink(probe)
+        with contextlib.suppress(FileNotFoundError):  # swept already by the writer that holds the lock
+            os.unlink(probe)
 
 
 def remove_temp_files(cache_dir: str) -> list[str]:
