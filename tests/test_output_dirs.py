@@ -247,6 +247,16 @@ def test_an_over_long_out_is_a_clean_error(command, sources, no_model_load, tmp_
     assert "choose a shorter path" in err
 
 
+@pytest.mark.parametrize("where", ["out", "parent"])
+def test_an_export_out_that_is_a_file_is_a_clean_error(where, dspark, tmp_path, capsys):
+    (tmp_path / "file").write_bytes(b"mine")
+    out = tmp_path / "file" if where == "out" else tmp_path / "file" / "out"
+    assert main(["export", "--to", "nemo-dspark", dspark, str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"speccache export: error: cannot write output directory {out}: ")
+    assert "is a file; choose a directory" in err and (tmp_path / "file").read_bytes() == b"mine", err
+
+
 def test_a_full_disk_during_merge_is_a_clean_error_and_leaves_no_view(cache, tmp_path, monkeypatch, capsys):
     disk = _Disk(10)
     monkeypatch.setattr(view_module, "open", disk.open, raising=False)

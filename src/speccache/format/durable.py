@@ -27,6 +27,8 @@ _FIXES = {
     errno.ENAMETOOLONG: "choose a shorter path",
     errno.ENOSPC: "free space (or choose a directory on another disk) and re-run",
     errno.EDQUOT: "free space (or raise the quota) and re-run",
+    errno.EEXIST: "the path is a file; choose a directory",
+    errno.ENOTDIR: "a part of the path is a file; choose a directory",
 }
 
 
