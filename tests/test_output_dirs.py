@@ -30,7 +30,7 @@ import speccache.format.view as view_module
 import speccache.precompute.run as precompute
 from speccache.cli import main
 from speccache.demo import demo_data_path
-from speccache.errors import CacheFormatError
+from speccache.errors import CacheFormatError, OutputError
 from speccache.format import shard_path
 from speccache.format.view import MAX_EPOCH_SAMPLES, VIEW_NAME
 from speccache.read import CacheDataset
@@ -142,7 +142,7 @@ def test_a_run_that_fails_before_its_first_manifest_leaves_no_side_file_to_block
     side = SideFile("notes.bin", content=lambda: b"side bytes")  # written by durable.py, which the disk spares
     disk = _Disk(0)
     monkeypatch.setattr(manifest_module, "open", disk.open, raising=False)
-    with pytest.raises(OSError) as info:
+    with pytest.raises(OutputError, match=f"cannot write output directory {out}: No space left on device") as info:
         write_samples(str(out), samples, {"model": "m"}, side_files=(side,))
     assert info.value.errno == errno.ENOSPC and disk.failures == 1
     assert os.listdir(out) == []

@@ -53,7 +53,7 @@ from speccache.format import (
     write_bytes_file,
     write_safetensors,
 )
-from speccache.format.durable import ensure_writable_dir
+from speccache.format.durable import ensure_writable_dir, writes_to
 from speccache.format.lock import lock_path
 from speccache.format.manifest import COMPARED_ON_RESUME
 from speccache.format.names import check_no_foreign_files
@@ -215,8 +215,9 @@ class CacheWriter:
                     found if found is not None and found.complete and self._side_files_intact(found) else None
                 )
                 if self._sealed_on_disk is None:
-                    for side in side_files:
-                        self._write_side_file(side)
+                    with writes_to(self.cache_dir):
+                        for side in side_files:
+                            self._write_side_file(side)
                 else:
                     self.manifest.side_files = dict(self._sealed_on_disk.side_files)
             except BaseException:
@@ -249,7 +250,8 @@ class CacheWriter:
         if self._sealed_on_disk is not None:  # rewriting shards of a sealed cache: its side files are the ones listed
             self.manifest.side_files = dict(self._sealed_on_disk.side_files)
             self._sealed_on_disk = None
-        self.manifest.write(self.cache_dir)
+        with writes_to(self.cache_dir):
+            self.manifest.write(self.cache_dir)
 
     def _side_files_intact(self, found: Manifest) -> bool:
         for name, record in found.side_files.items():
@@ -373,7 +375,8 @@ class CacheWriter:
             def _write_sealed() -> None:
                 if self.comm.rank == 0:
                     if self._sealed_on_disk is None or self._sealed_on_disk.to_json() != sealed.to_json():
-                        sealed.write(self.cache_dir)
+                        with writes_to(self.cache_dir):
+                            sealed.write(self.cache_dir)
                     self._lock.release()
 
             # Every rank returns once the sealed manifest is on disk and the lock is free; a failed write fails all.
