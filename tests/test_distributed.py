@@ -152,7 +152,7 @@ def _make_interrupted(ref: Path, dst: Path) -> None:
         manifest.pop(key)
     manifest["complete"] = False
     Path(manifest_path(str(dst))).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    Path(shard_path(str(dst), 5) + ".tmp-deadhost-1-abcd").write_bytes(b"torn")
+    Path(shard_path(str(dst), 5) + ".tmp-deadhost-1-0123abcd").write_bytes(b"torn")
 
 
 class _Abandoned(Exception):

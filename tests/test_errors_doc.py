@@ -355,6 +355,8 @@ TRIGGERS: dict[str, T] = {
     "already holds a cache": lambda e: write_synthetic_cache(e.cache(), **ARGS),
     "holds shards but no": lambda e: (os.unlink(os.path.join(p := e.cache(), MANIFEST_NAME)), write_synthetic_cache(p, resume=True, **ARGS)),
     "is a file; choose a directory": lambda e: write_synthetic_cache(str(_touch(e.tmp / "file")), **ARGS),
+    "holds files speccache did not write": lambda e: (_touch(e.tmp / "thesis.tmp"), write_synthetic_cache(str(e.tmp), **ARGS)),
+    "cannot write output directory": lambda e: write_synthetic_cache(str(e.tmp / ("x" * 300)), **ARGS),  # ENAMETOOLONG
     "was written with a different configuration": lambda e: write_synthetic_cache(e.cache(), resume=True, **{**ARGS, "seed": 1}),
     "is locked by": lambda e: (_write_lock(p := e.cache()), write_synthetic_cache(p, resume=True, **ARGS)),
     "No partial shard is left under that name": _unwritable_shard,
@@ -377,7 +379,8 @@ TRIGGERS: dict[str, T] = {
     "does not hold a speccache build of SmolLM2-135M-Instruct": lambda e: build_real_model_dir(str(_touch(e.tmp / "x").parent)),
     # views
     "must look like NAME OP NUMBER": lambda e: parse_where("a => 1"),
-    "must give one positive weight per cache": lambda e: make_merge_view([e.cache()], str(e.tmp / "v"), [1, 2]),
+    "must give one weight per cache": lambda e: make_merge_view([e.cache()], str(e.tmp / "v"), [1, 2]),
+    "(--weights of speccache merge) must be finite and > 0": lambda e: make_merge_view([e.cache()], str(e.tmp / "v"), [float("inf")]),
     "one finite weight >= 0 per sample": lambda e: LocalityShuffleSampler(2, 1, weights=[1.0]),
     "not a readable view": lambda e: View.read(str(e.tmp)),
     "selects samples of": lambda e: open_source(make_merge_view([e.cache()], str(e.tmp / "v")).path, "eagle3"),

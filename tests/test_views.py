@@ -32,12 +32,14 @@ SCHEMA = {
 }
 
 
-def write_samples(out: str, samples: list[dict[str, torch.Tensor]], config: dict, shard_size: int = 4) -> None:
+def write_samples(
+    out: str, samples: list[dict[str, torch.Tensor]], config: dict, shard_size: int = 4, side_files: tuple = ()
+) -> None:
     """A cache of exactly ``samples`` (with ``supervised_tokens`` statistics), written shard by shard."""
     writer = CacheWriter(
         out, cache_name="viewtest", schema=SCHEMA, shard_size=shard_size, num_samples=len(samples), config=config
     )
-    with writer.writing(overlap=False) as run:
+    with writer.writing(side_files=side_files, overlap=False) as run:
         for index in run.shards:
             chunk = samples[index * shard_size : (index + 1) * shard_size]
             rows = {k: torch.cat([s[k] for s in chunk]) for k in SCHEMA}

@@ -186,6 +186,7 @@ def _new_view_dir(out: str) -> None:
 
     from speccache.errors import CacheExistsError
     from speccache.format import MANIFEST_NAME, existing_shard_indices, remove_temp_files
+    from speccache.format.names import check_no_foreign_files
     from speccache.format.view import VIEW_NAME
 
     if os.path.exists(out) and not os.path.isdir(out):
@@ -193,6 +194,7 @@ def _new_view_dir(out: str) -> None:
     if os.path.isdir(out):
         if any(os.path.exists(os.path.join(out, n)) for n in (VIEW_NAME, MANIFEST_NAME)) or existing_shard_indices(out):
             raise CacheExistsError(f"--out {out} already holds a view or a cache; choose a new directory for the view")
+        check_no_foreign_files(out)
         remove_temp_files(out)
 
 

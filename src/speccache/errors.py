@@ -21,6 +21,7 @@ __all__ = [
     "DistributedError",
     "NonFiniteFeatureError",
     "AuditError",
+    "OutputError",
 ]
 
 
@@ -70,3 +71,8 @@ class NonFiniteFeatureError(SpeccacheError, ValueError):
 
 class AuditError(SpeccacheError, ValueError):
     """``speccache audit`` cannot re-run the target on a cache (no recorded model, an unknown method)."""
+
+
+class OutputError(SpeccacheError, OSError):
+    """The operating system refused to create or write an output path (read-only, no permission, name too long,
+    disk full); the path and the fix are named, ``errno`` is the refusal's."""

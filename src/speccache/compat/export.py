@@ -48,17 +48,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from speccache.compat import offline_cache as oc
 from speccache.data import SOURCE_ROW_KEY
 from speccache.errors import CacheExistsError, CacheFormatError
 from speccache.format import LENGTHS_KEY, Manifest, ShardFile, shard_path, validate_contiguous_shards
+from speccache.format.durable import ensure_writable_dir, writes_to
 from speccache.methods import eagle3, layers
 from speccache.read.source import CacheSource, open_source
 from speccache.units import human_bytes
 from speccache.write import CacheWriter, SideFile
 
-__all__ = ["TARGETS", "export_cache", "import_nemo_eagle3", "register_commands"]
+__all__ = ["TARGETS", "check_export_dir", "export_cache", "import_nemo_eagle3", "register_commands"]
 
 TARGETS = ("nemo-dspark", "nemo-eagle3")
 DSPARK_KEYS = ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states")
@@ -216,6 +218,16 @@ def _bytes_per_sample(plan: _Plan) -> int:
     return sum(t.numel() * t.element_size() for t in sample.values())
 
 
+def check_export_dir(out: str) -> None:
+    """Refuse an ``--out`` that holds anything: an export writes a whole layout of its own there.
+
+    Raises:
+        CacheExistsError: ``out`` is not empty.
+    """
+    if os.path.isdir(out) and os.listdir(out):
+        raise CacheExistsError(f"--out {out} is not empty; export into a new or empty directory")
+
+
 def export_cache(
     cache_dir: str,
     out: str,
@@ -239,24 +251,31 @@ def export_cache(
         ValueError: an unknown ``to``.
         CacheExistsError: ``out`` is not empty.
         CacheFormatError: the cache cannot give what the layout needs (the message says what it holds).
+        OutputError: the operating system refuses ``out`` or a write in it (read-only, no permission, name too
+            long, disk full).
     """
     if to not in TARGETS:
         raise ValueError(f"--to {to!r} is unknown; choose one of nemo-dspark, nemo-eagle3")
-    if os.path.isdir(out) and os.listdir(out):
-        raise CacheExistsError(f"--out {out} is not empty; export into a new or empty directory")
+    check_export_dir(out)
     plan = _plan(cache_dir, to, layer_ids)
     ds, manifest, length = plan.dataset, plan.manifest, plan.manifest["seq_length"]
     side_bytes = sum(t.numel() * t.element_size() for t in plan.side_tensors.values())
     total = _bytes_per_sample(plan) * len(ds) + side_bytes
     log(f"speccache export: {len(ds)} samples padded to {length} tokens -> {out} ({to}): about {human_bytes(total)}")
-    os.makedirs(out, exist_ok=True)
-    oc.write_manifest(out, {**manifest, "complete": False}, plan.version)
+    ensure_writable_dir(out)
     save_file, _ = oc.load_safetensors(plan.cache_name)
-    oc.atomic_write(os.path.join(out, plan.side_name), lambda tmp: save_file(plan.side_tensors, tmp))
+    # Only the writes are wrapped (safetensors reports a full disk as its own error): a failed read of the source
+    # keeps its own message. Every write is atomic, so a full disk leaves nothing half-written under a final name.
+    with writes_to(out, SafetensorError):
+        oc.write_manifest(out, {**manifest, "complete": False}, plan.version)
+        oc.atomic_write(os.path.join(out, plan.side_name), lambda tmp: save_file(plan.side_tensors, tmp))
     for index, start in enumerate(range(0, len(ds), ds.shard_size)):
         samples = [dict(s) for s in ds.__getitems__(list(range(start, min(start + ds.shard_size, len(ds)))))]
-        oc.write_tensor_shard(out, index, plan.make(samples, length), plan.keys, plan.cache_name)
-    oc.write_manifest(out, {**manifest, "complete": True}, plan.version)
+        tensors = plan.make(samples, length)
+        with writes_to(out, SafetensorError):
+            oc.write_tensor_shard(out, index, tensors, plan.keys, plan.cache_name)
+    with writes_to(out):
+        oc.write_manifest(out, {**manifest, "complete": True}, plan.version)
     return manifest
 
 

@@ -29,10 +29,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
-from speccache.compat.export import DTYPES
-from speccache.errors import CacheExistsError, CacheFormatError
+from speccache.compat.export import DTYPES, check_export_dir
+from speccache.errors import CacheFormatError
 from speccache.format import Manifest, ShardFile, atomic_write, write_safetensors
+from speccache.format.durable import ensure_writable_dir, writes_to
 from speccache.methods import eagle3, layers
 from speccache.read import CacheDataset
 from speccache.read.source import CacheSource, open_source
@@ -224,11 +226,11 @@ def export_peer(
     Raises:
         CacheExistsError: ``out`` is not empty.
         CacheFormatError: the cache cannot give what the layout needs (the message says what is missing).
+        OutputError: the operating system refuses ``out`` or a write in it.
     """
     if to not in LAYOUTS:
         raise ValueError(f"--to {to!r} is unknown; choose one of {', '.join(LAYOUTS)}")
-    if os.path.isdir(out) and os.listdir(out):
-        raise CacheExistsError(f"--out {out} is not empty; export into a new or empty directory")
+    check_export_dir(out)
     source = open_source(cache_dir)  # a cache or a view: a view exports the samples it selects
     plans = {
         SPECFORGE: _specforge,
@@ -250,16 +252,20 @@ def export_peer(
         f"speccache export: {len(ds)} samples, {tokens} tokens -> {out} ({to}, one file per sample): "
         f"about {human_bytes(total)}"
     )
-    os.makedirs(out, exist_ok=True)
+    ensure_writable_dir(out)
     ids: list[torch.Tensor] = []
     masks: list[torch.Tensor] = []
+    # Only the writes are wrapped: a failed read of the source keeps its own message. Every file is written
+    # atomically, so a full disk leaves nothing half-written under a final name.
     for start, samples in _batches(ds):
         for offset, sample in enumerate(samples):
             for path, tensors in export.sample_files(out, start + offset, sample).items():
-                export.write(path, tensors)
+                with writes_to(out, SafetensorError):
+                    export.write(path, tensors)
             ids.append(sample["input_ids"].to(torch.int64))
             masks.append(sample["loss_mask"].to(torch.int64))
-    export.finish(out, ids, masks)
+    with writes_to(out, SafetensorError):
+        export.finish(out, ids, masks)
     return len(ds)
 
 

@@ -6,16 +6,30 @@ sibling temporary name, fsynced, renamed, and the directory fsynced.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import xxhash
 
-from speccache.format.names import TMP_MARK
+from speccache.errors import OutputError
+from speccache.format.names import TEMP_RE, TMP_MARK
+
+_FIXES = {
+    errno.EROFS: "the filesystem is read-only; choose a directory on a writable one",
+    errno.EACCES: "choose a directory you may write, or fix its permissions",
+    errno.EPERM: "choose a directory you may write, or fix its permissions",
+    errno.ENAMETOOLONG: "choose a shorter path",
+    errno.ENOSPC: "free space (or choose a directory on another disk) and re-run",
+    errno.EDQUOT: "free space (or raise the quota) and re-run",
+    errno.EEXIST: "the path is a file; choose a directory",
+    errno.ENOTDIR: "a part of the path is a file; choose a directory",
+}
 
 
 def temp_path(path: str) -> str:
@@ -79,14 +93,55 @@ def atomic_write(path: str, write_fn: Callable[[str], Any]) -> str:
     return path
 
 
+def output_error(directory: str, exc: Exception) -> OutputError:
+    """``exc``, a refused write under ``directory``, as an :class:`OutputError` naming the path and the fix."""
+    code = getattr(exc, "errno", None)
+    reason = getattr(exc, "strerror", None) or str(exc)
+    filename = getattr(exc, "filename", None)
+    name, top = None if filename is None else os.path.normpath(os.fspath(filename)), os.path.normpath(directory)
+    # a file in the directory is one of our temporary names, which would tell the user nothing
+    where = "" if name in (None, top) or os.path.dirname(name) == top else f" ({filename})"
+    fix = _FIXES.get(code, "check that it is writable and has free space, then re-run")
+    error = OutputError(f"cannot write output directory {directory}: {reason}{where}; {fix}")
+    error.errno = code
+    return error
+
+
+@contextlib.contextmanager
+def writes_to(directory: str, *also: type[Exception]) -> Iterator[None]:
+    """Turn a write the operating system refuses under ``directory`` (``OSError``, or ``also``) into an
+    :class:`OutputError`; atomic writes leave nothing half-written under a final name."""
+    try:
+        yield
+    except (OSError, *also) as exc:
+        if isinstance(exc, OutputError):
+            raise
+        raise output_error(directory, exc) from None
+
+
+def ensure_writable_dir(directory: str) -> None:
+    """Create ``directory`` if needed and prove a file can be created in it (the probe is removed).
+
+    Raises:
+        OutputError: the operating system refused (read-only, no permission, name too long...).
+    """
+    with writes_to(directory):
+        os.makedirs(directory, exist_ok=True)
+        probe = temp_path(os.path.join(directory, ".speccache-probe"))  # a temp name: swept if a kill leaves it
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        with contextlib.suppress(FileNotFoundError):  # swept already by the writer that holds the lock
+            os.unlink(probe)
+
+
 def remove_temp_files(cache_dir: str) -> list[str]:
     """Delete temporary files left by interrupted writers; return their names.
 
+    Only names a speccache writer gives its temporary files (``TEMP_RE``) are removed, never a user's file.
     Only the lock holder may call this: another live writer's temp files would go too.
     """
     if not os.path.isdir(cache_dir):
         return []
-    removed = [name for name in os.listdir(cache_dir) if TMP_MARK in name or name.endswith(".tmp")]
+    removed = [name for name in os.listdir(cache_dir) if TEMP_RE.match(name)]
     for name in removed:
         try:
             os.unlink(os.path.join(cache_dir, name))

@@ -18,9 +18,7 @@ from types import TracebackType
 
 from speccache.errors import CacheLockedError
 from speccache.format.durable import temp_path
-from speccache.format.names import TMP_MARK
-
-LOCK_NAME = ".speccache.lock"
+from speccache.format.names import LOCK_GUARD_NAME, LOCK_NAME
 
 
 def lock_path(cache_dir: str) -> str:
@@ -170,7 +168,7 @@ class CacheLock:
         the lock the other had just taken, and both would write. A guard whose holder died on this
         host, or older than a few seconds (holding it takes microseconds), is removed.
         """
-        guard = self.path + TMP_MARK + "recover"
+        guard = os.path.join(self.cache_dir, LOCK_GUARD_NAME)
         try:
             _place(staged, guard, me)
         except FileExistsError:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import numbers
 import os
 import re
+from collections.abc import Sequence
 
-from speccache.errors import CacheFormatError
+from speccache.errors import CacheExistsError, CacheFormatError
 
 FORMAT_VERSION = 1
 """Version of the native layout (key schema, offsets, shard table). See docs/format.md."""
@@ -20,6 +21,17 @@ SHARD_RE = re.compile(r"^shard-([0-9]{6})\.safetensors\Z")
 r"""Shard file names: exactly six ASCII digits (``\Z``, not ``$``, so a trailing newline is no match)."""
 TMP_MARK = ".tmp-"
 """Temporary files are ``<final name>.tmp-<host>-<pid>-<random>``; no reader matches them."""
+LOCK_NAME = ".speccache.lock"
+"""The writer lock of a cache directory (format/lock.py)."""
+LOCK_GUARD_NAME = LOCK_NAME + TMP_MARK + "recover"
+"""The short-lived guard a writer taking over a stale lock holds."""
+TEMP_RE = re.compile(
+    r"^(?:.+\.tmp-.+-[0-9]+-[0-9a-f]{8}"  # temp_path: <final name>.tmp-<host>-<pid>-<8 hex digits>
+    r"|(?:shard-[0-9]{6}\.safetensors|manifest\.json)\.tmp"  # the seed layout's writers: <final name>.tmp
+    r"|" + re.escape(LOCK_GUARD_NAME) + r")\Z"
+)
+"""Exactly the names of the temporary files speccache's writers create: only they are ever swept. A user's
+``thesis.tmp`` or ``backup.tmp-2024-01-01`` is no match."""
 OFFSETS_KEY = "__offsets__"
 """Shard tensor: int64 ``[n + 1]`` row offsets shared by every ragged key."""
 LENGTHS_KEY = "__lengths__"
@@ -42,6 +54,29 @@ def shard_path(cache_dir: str, shard_index: int) -> str:
 def manifest_path(cache_dir: str) -> str:
     """Return the manifest path inside ``cache_dir``."""
     return os.path.join(cache_dir, MANIFEST_NAME)
+
+
+def check_no_foreign_files(directory: str) -> None:
+    """Refuse an output directory that holds files no speccache writer creates (so none of them can be touched).
+
+    A writer's own are the manifest, shards, the lock and temporary files (``TEMP_RE``); a missing directory
+    passes.
+
+    Raises:
+        CacheExistsError: names the directory, the files and the fix.
+    """
+    if not os.path.isdir(directory):
+        return
+    foreign = sorted(
+        name
+        for name in os.listdir(directory)
+        if name not in (MANIFEST_NAME, LOCK_NAME) and not SHARD_RE.match(name) and not TEMP_RE.match(name)
+    )
+    if foreign:
+        raise CacheExistsError(
+            f"{directory} holds files speccache did not write {_short(foreign)}; "
+            "choose a new or empty directory. Nothing was changed."
+        )
 
 
 def existing_shard_indices(cache_dir: str) -> set[int]:
@@ -94,7 +129,7 @@ def validate_contiguous_shards(cache_dir: str, cache_name: str, num_samples: int
     return indices
 
 
-def _short(items: list[int], limit: int = 20) -> str:
+def _short(items: Sequence[object], limit: int = 20) -> str:
     if len(items) <= limit:
         return str(items)
     return f"[{', '.join(map(str, items[:limit]))}, ... ({len(items)} in all)]"

@@ -16,21 +16,25 @@ writer is killed.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from speccache.errors import CacheCorruptError, CacheFormatError
-from speccache.format.durable import atomic_write, file_checksum
+from speccache.format.durable import atomic_write, file_checksum, writes_to
 from speccache.format.manifest import Manifest
 from speccache.format.names import MANIFEST_NAME, manifest_path, shard_path
 from speccache.format.schema import Schema, schema_from_json, schema_to_json
 
-__all__ = ["VIEW_NAME", "VIEW_VERSION", "SourceRecord", "View", "is_view", "source_record"]
+__all__ = ["MAX_EPOCH_SAMPLES", "VIEW_NAME", "VIEW_VERSION", "SourceRecord", "View", "is_view", "source_record"]
 
 VIEW_NAME = "view.json"
 VIEW_VERSION = 1
+MAX_EPOCH_SAMPLES = 1 << 28
+"""Bound on the samples one epoch of a view expands to under its weights: a sampler holds an index per position
+(2 GiB of them here), and ``--weights 1e9,1`` would otherwise fail only when a trainer builds its loader."""
 
 
 def is_view(path: str) -> bool:
@@ -84,6 +88,23 @@ class View:
     selection: dict[str, Any] = field(default_factory=dict)
     path: str = ""
 
+    def __post_init__(self) -> None:
+        """Refuse runs that name no source and weights a sampler could not expand (whoever made the view).
+
+        Raises:
+            CacheFormatError: names the view, the weights and the bound.
+        """
+        if any(not 0 <= s < len(self.sources) or not 0 <= a <= b for s, a, b in self.runs):
+            raise CacheFormatError(f"view {self.path}: a sample run names no source or is reversed; re-create the view")
+        weights = [source.weight for source in self.sources]
+        epoch = sum((end - start) * weights[s] for s, start, end in self.runs)
+        if not all(math.isfinite(w) and w > 0 for w in weights) or not epoch <= MAX_EPOCH_SAMPLES:
+            raise CacheFormatError(
+                f"view {self.path}: weights {weights} (--weights of speccache merge) must be finite and > 0 and "
+                f"expand one epoch to at most {MAX_EPOCH_SAMPLES} samples (these give {epoch:.4g}); "
+                "choose smaller weights and re-create the view"
+            )
+
     @property
     def num_samples(self) -> int:
         """Samples in the view."""
@@ -91,7 +112,8 @@ class View:
 
     def source_dir(self, source: int) -> str:
         """The absolute directory of source ``source``."""
-        return os.path.normpath(os.path.join(self.path, self.sources[source].path))
+        # from the view's real directory, as source_record measured it: any symlinked path to the view opens it
+        return os.path.normpath(os.path.join(os.path.realpath(self.path), self.sources[source].path))
 
     def to_json(self) -> dict[str, Any]:
         """The ``view.json`` object."""
@@ -106,15 +128,20 @@ class View:
         }
 
     def write(self, view_dir: str) -> str:
-        """Write ``view_dir/view.json`` atomically (creating the directory); returns its path."""
-        os.makedirs(view_dir, exist_ok=True)
+        """Write ``view_dir/view.json`` atomically (creating the directory); returns its path.
+
+        Raises:
+            OutputError: the operating system refused (read-only, no permission, name too long, disk full).
+        """
         text = json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n"
 
         def _write(tmp: str) -> None:
             with open(tmp, "w") as f:
                 f.write(text)
 
-        return atomic_write(os.path.join(view_dir, VIEW_NAME), _write)
+        with writes_to(view_dir):
+            os.makedirs(view_dir, exist_ok=True)
+            return atomic_write(os.path.join(view_dir, VIEW_NAME), _write)
 
     @classmethod
     def read(cls, view_dir: str, check: bool = True) -> View:
@@ -157,8 +184,6 @@ class View:
             raise CacheFormatError(
                 f"{path}: not a readable view ({exc}); re-create it with speccache merge/subset"
             ) from None
-        if any(not 0 <= s < len(sources) or not 0 <= a <= b for s, a, b in runs):
-            raise CacheFormatError(f"{path}: a sample run names no source or is reversed; re-create the view")
         if check:
             view.check_sources()
         return view
@@ -206,7 +231,8 @@ def source_record(
     """The record of ``cache_dir`` as a source of a view made in ``view_dir`` (from its sealed manifest)."""
     table: Mapping[int, Any] = manifest.shards
     return SourceRecord(
-        os.path.relpath(os.path.abspath(cache_dir), os.path.abspath(view_dir)),
+        # between real paths: a path with ".." through a symlink means another directory to the kernel
+        os.path.relpath(os.path.realpath(cache_dir), os.path.realpath(view_dir)),
         file_checksum(manifest_path(cache_dir)),
         {i: (table[i].bytes, table[i].checksum) for i in sorted(set(shards))},
         weight,

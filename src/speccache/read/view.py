@@ -89,11 +89,12 @@ def make_merge_view(caches: Sequence[str], out: str, weights: Sequence[float] | 
 
     Raises:
         CacheFormatError: the caches differ in kind, schema, shard size or configuration other than their data
-            (every difference is listed), or ``weights`` do not fit.
+            (every difference is listed), or ``weights`` do not fit (one finite weight > 0 per cache, an epoch of
+            at most ``MAX_EPOCH_SAMPLES``).
         CacheIncompleteError: a cache is not sealed.
     """
-    if weights is not None and (len(weights) != len(caches) or any(not w > 0 for w in weights)):
-        raise CacheFormatError(f"--weights {list(weights)} must give one positive weight per cache ({len(caches)})")
+    if weights is not None and len(weights) != len(caches):
+        raise CacheFormatError(f"--weights {list(weights)} must give one weight per cache ({len(caches)})")
     manifests = [_sealed(c) for c in caches]
     first = manifests[0]
     for cache, m in zip(caches[1:], manifests[1:]):

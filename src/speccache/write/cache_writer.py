@@ -3,7 +3,8 @@
 The lifecycle every native producer follows (and the crash-safety argument):
 
 1. ``preflight`` (optional, before the model is loaded): check the directory
-   against the run's configuration without writing anything.
+   against the run's configuration, and that the operating system lets a file be
+   created in it, without writing anything else.
 2. :meth:`CacheWriter.writing` enters the run: take the lock, check the directory
    again, verify the shards a resume would keep, remove temp files of dead writers,
    write the side files and the manifest with ``complete: false`` (unless nothing
@@ -52,8 +53,10 @@ from speccache.format import (
     write_bytes_file,
     write_safetensors,
 )
+from speccache.format.durable import ensure_writable_dir, writes_to
 from speccache.format.lock import lock_path
 from speccache.format.manifest import COMPARED_ON_RESUME, resume_identity
+from speccache.format.names import check_no_foreign_files
 from speccache.write.dist import Comm, LocalComm, agree
 from speccache.write.loops import WriteShardFn, partition_cache_shards
 from speccache.write.writers import NativeShardWriter, OverlappedShardWriter
@@ -117,7 +120,7 @@ class CacheWriter:
             from the cache's; every other field must match. Shards that still fit are kept, the rest computed.
 
     Raises:
-        CacheExistsError, ConfigMismatchError, CacheLockedError: from :meth:`preflight` and
+        CacheExistsError, ConfigMismatchError, CacheLockedError, OutputError: from :meth:`preflight` and
             :meth:`writing`, raised identically on every rank.
     """
 
@@ -149,15 +152,26 @@ class CacheWriter:
         self.shard_writer = NativeShardWriter(schema)
         self._lock = CacheLock(cache_dir)
         self._sealed_on_disk: Manifest | None = None
+        self._written_side_files: list[str] = []
         start_shard, _, local = partition_cache_shards(num_samples, shard_size, self.comm.world_size, self.comm.rank)
         self.local_shards = list(range(start_shard, start_shard + num_shards(local, shard_size)))
 
     def preflight(self) -> None:
-        """Check the directory against this run without taking the lock or writing anything.
+        """Check the directory against this run without taking the lock: create it, prove a file can be created
+        in it, refuse what the run could not use; nothing else is written.
 
         Lets a producer fail before loading a model; :meth:`writing` checks again under the lock.
+
+        Raises:
+            OutputError: the operating system refuses the directory (read-only, no permission, name too long).
+            CacheExistsError, ConfigMismatchError: as :meth:`writing`.
         """
-        agree(self.comm, self._check_directory if self.comm.rank == 0 else lambda: None)
+
+        def _check() -> None:
+            self._check_output()
+            self._check_directory()
+
+        agree(self.comm, _check if self.comm.rank == 0 else lambda: None)
 
     @contextlib.contextmanager
     def writing(self, side_files: tuple[SideFile, ...] = (), overlap: bool = True) -> Iterator[WriteRun]:
@@ -171,7 +185,8 @@ class CacheWriter:
             The shards this rank computes and the function that writes them.
 
         Raises:
-            CacheExistsError, ConfigMismatchError, CacheLockedError: the directory cannot be used (nothing changed).
+            CacheExistsError, ConfigMismatchError, CacheLockedError, OutputError: the directory cannot be used
+                (nothing changed).
             ShardWriteError: a shard could not be written (the lock is released; shards already written are kept).
         """
         todo = self._begin(side_files)
@@ -190,9 +205,7 @@ class CacheWriter:
 
     def _begin(self, side_files: tuple[SideFile, ...]) -> list[int]:
         def _prepare() -> None:
-            if os.path.exists(self.cache_dir) and not os.path.isdir(self.cache_dir):
-                # before the lock, which would try to create the directory
-                raise CacheExistsError(f"output path {self.cache_dir} is a file; choose a directory")
+            self._check_output()  # before the lock, which would try to create the directory
             self._lock.acquire()
             try:
                 found = self._check_directory()
@@ -205,8 +218,9 @@ class CacheWriter:
                     found if found is not None and found.complete and self._side_files_intact(found) else None
                 )
                 if self._sealed_on_disk is None:
-                    for side in side_files:
-                        self._write_side_file(side)
+                    with writes_to(self.cache_dir):
+                        for side in side_files:
+                            self._write_side_file(side)
                 else:
                     self.manifest.side_files = dict(self._sealed_on_disk.side_files)
             except BaseException:
@@ -222,14 +236,25 @@ class CacheWriter:
                 agree(self.comm, (lambda: self._unseal(side_files)) if self.comm.rank == 0 else lambda: None)
             return todo
         except BaseException:
+            self._drop_unlisted_side_files()
             self._lock.release()
             raise
+
+    def _drop_unlisted_side_files(self) -> None:
+        """Remove the side files this run wrote when no manifest lists them (it failed before writing one): a
+        rerun would take them for someone else's files and refuse the directory."""
+        if os.path.lexists(manifest_path(self.cache_dir)):
+            return
+        for path in self._written_side_files:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def _unseal(self, side_files: tuple[SideFile, ...]) -> None:
         sealed, self._sealed_on_disk = self._sealed_on_disk, None
         if sealed is not None:  # rewriting shards of a sealed cache: its side files are the ones listed
             self.manifest.side_files = dict(sealed.side_files)
-        self.manifest.write(self.cache_dir)
+        with writes_to(self.cache_dir):
+            self.manifest.write(self.cache_dir)
         if sealed is not None and self.append_fields is not None:
             # Only now: no sealed manifest ever lists a side file that changed after it was written.
             for side in side_files:
@@ -250,11 +275,23 @@ class CacheWriter:
         if side.content is not None:
             data = side.content()
             self.manifest.side_files[side.name] = SideFileRecord(len(data), write_bytes_file(path, data))
-            return
-        if side.tensors is None:
+        elif side.tensors is None:
             raise ValueError(f"side file {side.name} has neither tensors nor content")
-        written = write_safetensors(path, side.tensors(), side.metadata)
-        self.manifest.side_files[side.name] = SideFileRecord(written.bytes, written.checksum)
+        else:
+            written = write_safetensors(path, side.tensors(), side.metadata)
+            self.manifest.side_files[side.name] = SideFileRecord(written.bytes, written.checksum)
+        self._written_side_files.append(path)
+
+    def _check_output(self) -> None:
+        """Refuse a path that is a file, one the OS will not let us write, and a directory of someone else's files."""
+        if os.path.exists(self.cache_dir) and not os.path.isdir(self.cache_dir):
+            raise CacheExistsError(f"output path {self.cache_dir} is a file; choose a directory")
+        # What sits beside a manifest, shards or a lock (a writer killed before its first manifest) is a cache's:
+        # its side files; _check_directory judges that cache.
+        marks = (manifest_path(self.cache_dir), lock_path(self.cache_dir))
+        if not any(map(os.path.lexists, marks)) and not existing_shard_indices(self.cache_dir):
+            check_no_foreign_files(self.cache_dir)
+        ensure_writable_dir(self.cache_dir)
 
     def _check_directory(self) -> Manifest | None:
         """Refuse a directory this run cannot write; return the manifest found there (``None`` when empty)."""
@@ -360,7 +397,8 @@ class CacheWriter:
             def _write_sealed() -> None:
                 if self.comm.rank == 0:
                     if self._sealed_on_disk is None or self._sealed_on_disk.to_json() != sealed.to_json():
-                        sealed.write(self.cache_dir)
+                        with writes_to(self.cache_dir):
+                            sealed.write(self.cache_dir)
                     self._lock.release()
 
             # Every rank returns once the sealed manifest is on disk and the lock is free; a failed write fails all.
