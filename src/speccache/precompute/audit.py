@@ -3,8 +3,9 @@
 Checksums prove the bytes are the ones written; the audit checks that they are
 the right ones. It loads the target the manifest records (or ``--model``),
 draws ``K`` random samples and recomputes each in the batch precompute computed
-it in (the ``batch_size`` consecutive samples around it, fed their stored tokens
-and padded alike: ``speccache.write.loops.batch_span``), and compares every
+it in (``speccache.write.loops.batch_of``: its shard's samples by length, or for a
+cache written with ``--batching ordered`` the ``batch_size`` consecutive samples
+around it; fed their stored tokens and padded alike), and compares every
 stored feature with that live forward. A forward of another batch shape would
 differ by itself: in bf16 through SmolLM2-135M's 30 layers, batch size 1 against
 8 moves ``last_hidden_state`` by 0.06-0.07 of the row's largest value. It also
@@ -62,7 +63,7 @@ from speccache.precompute.target import load_target, target_device
 from speccache.read import CacheDataset
 from speccache.read.source import CacheSource, open_source
 from speccache.read.view import ViewDataset
-from speccache.write.loops import batch_span
+from speccache.write.loops import batch_of, batch_span
 
 __all__ = ["AuditReport", "audit_cache", "feature_tolerance", "register_commands"]
 
@@ -278,9 +279,10 @@ def audit_cache(
 ) -> AuditReport:
     """Re-run the target on the batches of ``samples`` random samples and compare every stored feature.
 
-    Each drawn sample is recomputed in the batch precompute computed it in (the manifest's ``batch_size``
-    consecutive samples, padded alike; batch size 1 for a manifest that records none), so the forward is the one
-    that wrote it, not one of another batch shape.
+    Each drawn sample is recomputed in the batch precompute computed it in (its shard's samples by length as
+    ``--batching sorted`` cuts them, or the manifest's ``batch_size`` consecutive samples for ``--batching
+    ordered`` and for manifests that record neither; padded alike), so the forward is the one that wrote it,
+    not one of another batch shape.
 
     Args:
         cache_dir: the cache (sealed or not: its whole shards are read), or a view (samples drawn from the view).
@@ -327,23 +329,32 @@ def audit_cache(
     datasets = [CacheDataset(d, cache_name=manifest.cache_name, allow_incomplete=True) for d in opened.dirs]
     total = len(view) if view is not None else len(datasets[0])
     drawn = sorted(random.Random(seed).sample(range(total), min(samples, total)))
-    batches: dict[tuple[int, range], list[tuple[int, int]]] = {}  # (source, its batch) -> [(drawn index, local)]
+    batches: dict[tuple[int, tuple[int, ...]], list[tuple[int, int]]] = {}  # (source, its batch) -> [(drawn, local)]
+    lengths: dict[int, list[int]] = {}
     for index in drawn:
         source, local = view.locate(index) if view is not None else (0, index)
-        src = manifests[source]
-        span = batch_span(local, int(src.config.get("batch_size") or 1), src.num_samples)
-        batches.setdefault((source, span), []).append((index, local))
+        src = manifests[source].config
+        batch_size = int(src.get("batch_size") or 1)
+        if src.get("batching", "ordered") == "sorted":
+            if source not in lengths:
+                lengths[source] = datasets[source].sample_lengths()
+            members = batch_of(
+                local, lengths[source], manifests[source].shard_size, batch_size, src["max_batch_tokens"]
+            )
+        else:
+            members = list(batch_span(local, batch_size, manifests[source].num_samples))
+        batches.setdefault((source, tuple(members)), []).append((index, local))
     nonfinite_parameters: list[str] | None = None  # searched once, when a live forward is first not finite
     for (source, span), members in batches.items():
         stored = [datasets[source][i] for i in span]
         live = compute_batch(pad_tokens([_forward_input(s) for s in stored], batch_pad_id(tokenizer)))
         for index, local in members:
-            sample = stored[local - span.start]
+            sample = stored[span.index(local)]
             if not sample["loss_mask"].any():
                 report.cleared.append(index)
                 continue
             report.samples.append(index)
-            rows = _live_rows(live, manifest.schema, local - span.start)
+            rows = _live_rows(live, manifest.schema, span.index(local))
             if not rows["loss_mask"].any():  # the guard cleared it: see speccache.methods.finite
                 if nonfinite_parameters is None:
                     nonfinite_parameters = _nonfinite_parameters(loaded.model)

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +73,7 @@ from speccache.write import (
     partition_cache_shards,
     shutdown,
 )
+from speccache.write.loops import shard_batches
 
 log = logging.getLogger("speccache.precompute")
 
@@ -97,6 +99,19 @@ def add_precompute_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="eagle3", help=f"speculative method ({', '.join(METHODS)})")
     p.add_argument("--max-length", type=int, default=2048, help="truncate samples to this many tokens (default 2048)")
     p.add_argument("--batch-size", type=int, default=8, help="samples per target forward (default 8)")
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help="instead of --batch-size: the most padded tokens (samples x the longest) one forward may hold",
+    )
+    p.add_argument(
+        "--batching",
+        choices=["sorted", "ordered"],
+        default="sorted",
+        help="sorted (default): each shard's samples computed longest first, so batches hold little padding; "
+        "ordered: in stored order (what caches written before this option used)",
+    )
     p.add_argument(
         "--shard-size", type=int, default=256, help="samples per shard; a multiple of --batch-size (default 256)"
     )
@@ -146,6 +161,8 @@ class PrecomputeConfig:
     method: str = "eagle3"
     max_length: int = 2048
     batch_size: int = 8
+    max_batch_tokens: int | None = None
+    batching: str = "sorted"
     shard_size: int = 256
     dtype: str = "bf16"
     aux_layers: list[int] | None = None
@@ -186,6 +203,8 @@ class PrecomputeConfig:
             method=args.method,
             max_length=args.max_length,
             batch_size=args.batch_size,
+            max_batch_tokens=args.max_batch_tokens,
+            batching=args.batching,
             shard_size=args.shard_size,
             dtype=args.dtype,
             aux_layers=_parse_layers(args.aux_layers),
@@ -246,6 +265,12 @@ class PrecomputeConfig:
             )
         if self.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.batching not in ("sorted", "ordered"):
+            raise ValueError(f"--batching {self.batching!r} must be sorted or ordered")
+        if self.max_batch_tokens is not None and (self.max_batch_tokens < 1 or self.batching != "sorted"):
+            raise ValueError(
+                f"--max-batch-tokens {self.max_batch_tokens} must be >= 1, with --batching sorted (the default)"
+            )
         if self.shard_size < 1 or self.shard_size % self.batch_size:
             raise ValueError(
                 f"--shard-size {self.shard_size} must be a positive multiple of --batch-size {self.batch_size}, "
@@ -401,6 +426,8 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
         **({"data_split": cfg.data_split} if cfg.data_split is not None else {}),
         "max_length": cfg.max_length,
         "batch_size": cfg.batch_size,
+        "batching": cfg.batching,
+        "max_batch_tokens": cfg.max_batch_tokens,
         **method_config,
         "dtype": cfg.dtype,
         "model_dtype": cfg.model_dtype,
@@ -595,12 +622,20 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
         collate_fn=lambda b: pad_tokens(b, pad_id),
     )
     ragged = [k for k, s in plan.schema.items() if s.ragged]
+
+    def shard_plan(start: int, end: int) -> list[list[int]]:
+        lengths = [int(loader.dataset[i]["input_ids"].numel()) for i in range(start, end)]
+        return [[start + i for i in b] for b in shard_batches(lengths, cfg.batch_size, cfg.max_batch_tokens)]
+
+    sorted_plan = shard_plan if cfg.batching == "sorted" else None
     # A forward that is a collective of all ranks (fsdp) needs every rank to take the same number of steps;
     # a tensor-parallel forward is a collective of its group, whose ranks all compute the same batches.
     lockstep = comm.max_int if comm.world_size > 1 and groups.size == 1 else None
     if writer is None:  # a tensor-parallel rank that computes its group's batches for the group's writer
         shards = groups.from_writer(None)
-        compute_shard_runs(loader, cfg.out, cfg.shard_size, shards, target.compute_batch, _discard, log)
+        compute_shard_runs(
+            loader, cfg.out, cfg.shard_size, shards, target.compute_batch, _discard, log, shard_plan=sorted_plan
+        )
         comm.max_int(0)  # returns once every writer has sealed the cache
         return Manifest.read(cfg.out)
 
@@ -643,6 +678,7 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
                 ragged_keys=ragged,
                 sync_max_steps=lockstep,
                 on_batch=on_batch,
+                shard_plan=sorted_plan,
             )
         finally:
             bar.close()
@@ -652,6 +688,7 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
             "rows_truncated": plan.stats.rows_truncated,
             "samples": len(plan.samples),
             "tokens": plan.num_tokens,
+            "computed_tokens": computed_tokens(plan.samples.lengths.tolist(), cfg),
             "padded_probs_bytes": padded_probs_bytes(
                 len(plan.samples), cfg.max_length, plan.hidden_size, plan.draft_vocab_size, itemsize
             ),
@@ -676,6 +713,21 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
     return manifest
 
 
+def computed_tokens(lengths: Sequence[int], cfg: PrecomputeConfig) -> int:
+    """Tokens the target computes for samples of these ``lengths`` (padding included), batched as ``cfg`` says."""
+    total = 0
+    for start in range(0, len(lengths), cfg.shard_size):
+        shard = list(lengths[start : start + cfg.shard_size])
+        if cfg.batching == "sorted":
+            batches = shard_batches(shard, cfg.batch_size, cfg.max_batch_tokens)
+        else:
+            batches = [
+                list(range(i, min(i + cfg.batch_size, len(shard)))) for i in range(0, len(shard), cfg.batch_size)
+            ]
+        total += sum(len(b) * max(shard[i] for i in b) for b in batches)
+    return total
+
+
 def _discard(output_dir: str, index: int, samples: dict[str, torch.Tensor]) -> str:
     """The shard writer of a rank whose group's first rank writes: the group computed the shard, one rank keeps it."""
     return ""
@@ -691,8 +743,10 @@ def summary_line(manifest: Manifest, seconds: float) -> str:
     padded = int(stats.get("padded_probs_bytes", 0))
     ratio = f"{padded / total:.1f}x smaller" if total else "-"
     skipped = sum((stats.get("skipped_rows") or {}).values())
+    computed = stats.get("computed_tokens")
+    work = f" ({computed / (tokens or 1):.2f}x computed with padding)" if computed else ""
     return (
-        f"speccache: {manifest.num_samples} samples ({skipped} rows skipped), {tokens} tokens, "
+        f"speccache: {manifest.num_samples} samples ({skipped} rows skipped), {tokens} tokens{work}, "
         f"{human_bytes(total)} ({shard_bytes / (tokens or 1):.0f} bytes/token) in {seconds:.1f}s; "
         f"padded full-probability layout would take {human_bytes(padded)} ({ratio})"
         + "".join(

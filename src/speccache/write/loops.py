@@ -5,13 +5,18 @@ methods supply the model side and the format stays below. The layout of the
 shards depends only on ``shard_size`` and the sample order, never on the batch
 sizes fed in, so a resumed or distributed run writes the same shards as one
 uninterrupted process.
+
+Which samples share a forward is decided per shard, from that shard alone
+(:func:`shard_batches`: its samples sorted by length, then cut by count or by a
+token budget), so every resume, append or world size computes the same batches
+and writes the same bytes; a padded batch then wastes little compute on padding.
 """
 
 from __future__ import annotations
 
 import logging
 import numbers
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +36,7 @@ __all__ = [
     "WriteShardFn",
     "batch_span",
     "compute_shard_runs",
+    "shard_batches",
     "partition_cache_shards",
     "subset_loader",
 ]
@@ -72,6 +78,64 @@ def batch_span(index: int, batch_size: int, num_samples: int) -> range:
     return range(start, min(start + batch_size, num_samples))
 
 
+def shard_batches(lengths: Sequence[int], batch_size: int, max_batch_tokens: int | None = None) -> list[list[int]]:
+    """One shard's forwards: its samples (local indices) by descending length, ties by index, cut into batches.
+
+    Args:
+        lengths: each sample's token count, in stored order.
+        batch_size: samples per batch (without ``max_batch_tokens``).
+        max_batch_tokens: instead, the most padded tokens (samples x the longest of them) a batch may hold; a
+            sample longer than the budget gets a batch of its own.
+
+    Returns:
+        The batches, longest first (so the largest forward comes first: a memory limit shows at once).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches:
+            batch = batches[-1]
+            fits = (
+                len(batch) < batch_size
+                if max_batch_tokens is None
+                else (len(batch) + 1) * lengths[batch[0]] <= max_batch_tokens
+            )
+            if fits:
+                batch.append(i)
+                continue
+        batches.append([i])
+    return batches
+
+
+def batch_of(
+    index: int, lengths: Sequence[int], shard_size: int, batch_size: int, max_batch_tokens: int | None
+) -> list[int]:
+    """The samples (cache indices, in batch order) computed in one forward with sample ``index``, by
+    :func:`shard_batches` of its shard; ``lengths`` are the lengths of every sample of the cache."""
+    start = index - index % shard_size
+    stop = min(start + shard_size, len(lengths))
+    for batch in shard_batches(lengths[start:stop], batch_size, max_batch_tokens):
+        if index - start in batch:
+            return [start + i for i in batch]
+    raise AssertionError("unreachable: every sample of a shard is in one of its batches")
+
+
+def _worker_kwargs(dataloader: DataLoader) -> dict[str, Any]:
+    worker_kwargs: dict[str, Any] = {
+        "num_workers": int(getattr(dataloader, "num_workers", 0)),
+        "pin_memory": bool(getattr(dataloader, "pin_memory", False)),
+        "collate_fn": getattr(dataloader, "collate_fn", None),
+    }
+    if worker_kwargs["num_workers"] > 0:
+        worker_kwargs["persistent_workers"] = getattr(dataloader, "persistent_workers", False)
+        # Producers put the target on CUDA before iterating, so fork-started workers would inherit
+        # a live CUDA context: keep the source loader's start method.
+        context = getattr(dataloader, "multiprocessing_context", None)
+        if context is not None:
+            worker_kwargs["multiprocessing_context"] = context
+    return worker_kwargs
+
+
 def subset_loader(
     dataloader: DataLoader,
     start: int,
@@ -84,24 +148,12 @@ def subset_loader(
     ``loader_cls`` and ``subset_cls`` let the NeMo-compatible module build it from the
     names in its own namespace (which its users' tests patch).
     """
-    worker_kwargs: dict[str, Any] = {}
-    num_workers = int(getattr(dataloader, "num_workers", 0))
-    if num_workers > 0:
-        worker_kwargs["persistent_workers"] = getattr(dataloader, "persistent_workers", False)
-        # Producers put the target on CUDA before iterating, so fork-started workers would inherit
-        # a live CUDA context: keep the source loader's start method.
-        context = getattr(dataloader, "multiprocessing_context", None)
-        if context is not None:
-            worker_kwargs["multiprocessing_context"] = context
     return loader_cls(
         subset_cls(dataloader.dataset, range(start, end)),
         batch_size=getattr(dataloader, "batch_size", None) or 1,
         shuffle=False,
-        num_workers=num_workers,
-        pin_memory=bool(getattr(dataloader, "pin_memory", False)),
-        collate_fn=getattr(dataloader, "collate_fn", None),
         drop_last=False,
-        **worker_kwargs,
+        **_worker_kwargs(dataloader),
     )
 
 
@@ -224,10 +276,13 @@ def compute_shard_runs(
     sync_max_steps: Callable[[int], int] | None = None,
     on_batch: Callable[[Batch], None] | None = None,
     sync_every: int | None = None,
+    shard_plan: Callable[[int, int], list[list[int]]] | None = None,
 ) -> int:
     """Write the given shards (any subset, e.g. those a resume still lacks), keeping lockstep.
 
-    Consecutive indices are computed as one run with ``dataloader``'s batching, so
+    With ``shard_plan`` (``(start, end) -> batches of sample indices``, a partition of one shard's samples, e.g.
+    by :func:`shard_batches`), each shard is computed in those batches and its rows put back in stored order.
+    Without it, consecutive indices are computed as one run with ``dataloader``'s batching, so
     the batches (and therefore the bytes) equal those of an uninterrupted run as
     long as ``shard_size`` is a multiple of the batch size. When ``sync_max_steps``
     is given (distributed), this rank pads its step count to the global maximum
@@ -246,7 +301,16 @@ def compute_shard_runs(
     runs = _consecutive_runs(sorted(shard_indices))
     batch_size = int(getattr(dataloader, "batch_size", None) or 1)
     spans = [(a * shard_size, min(b * shard_size, num_samples)) for a, b in runs]
-    local_steps = sum(ceil_div(end - start, batch_size) for start, end in spans if end > start)
+    plans: dict[int, list[list[int]]] = {}
+    if shard_plan is not None:
+        for first, last in runs:
+            for shard in range(first, last):
+                start, end = shard * shard_size, min((shard + 1) * shard_size, num_samples)
+                if end > start:
+                    plans[shard] = shard_plan(start, end)
+        local_steps = sum(len(batches) for batches in plans.values())
+    else:
+        local_steps = sum(ceil_div(end - start, batch_size) for start, end in spans if end > start)
     global_steps = local_steps if sync_max_steps is None else sync_max_steps(local_steps)
     steps = 0
     every = LOCKSTEP_SYNC_EVERY if sync_every is None else sync_every
@@ -257,7 +321,21 @@ def compute_shard_runs(
         if sync_max_steps is not None and every > 0 and steps % every == 0:
             sync_max_steps(0)  # the same step numbers on every rank: real steps, then dummy ones
 
-    for (first_shard, _), (start, end) in zip(runs, spans):
+    for shard, batches in plans.items():
+        rows: dict[int, Batch] = {}
+        loader = DataLoader(dataset, batch_sampler=batches, **_worker_kwargs(dataloader))
+        for indices, batch in zip(batches, loader):
+            out = compute_batch(batch)
+            step_done()
+            pending = _Pending(out, frozenset(ragged_keys))
+            for index in indices:
+                rows[index] = pending.take(1)
+            if on_batch is not None:
+                on_batch(out)
+        ordered = [rows[i] for i in sorted(rows)]
+        path = write_shard_fn(output_dir, shard, {k: torch.cat([r[k] for r in ordered]) for k in ordered[0]})
+        logger.info("Wrote %s (%d samples)", path, len(ordered))
+    for (first_shard, _), (start, end) in zip(runs, spans if shard_plan is None else ()):
         if end <= start:
             continue
         accumulator = ShardAccumulator(output_dir, shard_size, first_shard, write_shard_fn, logger, ragged_keys)

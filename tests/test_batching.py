@@ -1,0 +1,84 @@
+"""Length-sorted batches within each shard: little padding, the same bytes in any resume, the audit's batches."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from speccache.cli import main
+from speccache.demo import demo_data_path
+from speccache.read import CacheDataset
+from speccache.write.loops import batch_of, shard_batches
+
+pytestmark = pytest.mark.usefixtures("offline_single_thread")
+
+
+@pytest.mark.parametrize("budget", [None, 1, 40, 100])
+def test_shard_batches_partition_the_shard_longest_first_within_the_budget(budget):
+    lengths = [5, 17, 3, 17, 9, 1, 30, 2, 9, 9, 4]
+    batches = shard_batches(lengths, 3, budget)
+    flat = [i for b in batches for i in b]
+    assert sorted(flat) == list(range(len(lengths)))  # a partition
+    assert [lengths[i] for i in flat] == sorted(lengths, reverse=True)  # longest first
+    assert flat == sorted(flat, key=lambda i: (-lengths[i], i))  # ties by index: deterministic
+    for b in batches:
+        if budget is None:
+            assert len(b) <= 3
+        elif len(b) > 1:
+            assert len(b) * lengths[b[0]] <= budget
+    assert shard_batches(lengths, 3, budget) == batches
+    for index in range(len(lengths)):
+        assert index in batch_of(index, lengths, len(lengths), 3, budget)
+
+
+def _precompute(tiny_models, out: Path, *extra: str) -> dict:
+    argv = ["precompute", "--model", tiny_models("llama"), "--data", demo_data_path("sharegpt"), "--out", str(out),
+            "--limit", "24", "--max-length", "128", "--model-dtype", "fp32", "--dtype", "fp32", "--quiet",
+            "--shard-size", "8", *extra]  # fmt: skip
+    assert main(argv) == 0
+    return json.loads((out / "manifest.json").read_text())
+
+
+def test_sorted_batches_compute_less_padding_and_agree_with_stored_order(tiny_models, tmp_path):
+    ordered = _precompute(tiny_models, tmp_path / "ordered", "--batch-size", "4", "--batching", "ordered")
+    sorted_ = _precompute(tiny_models, tmp_path / "sorted", "--batch-size", "4")
+    budget = _precompute(tiny_models, tmp_path / "budget", "--max-batch-tokens", "256")
+    real = ordered["stats"]["tokens"]
+    assert sorted_["stats"]["tokens"] == budget["stats"]["tokens"] == real
+    assert real < sorted_["stats"]["computed_tokens"] < ordered["stats"]["computed_tokens"]
+    assert sorted_["config"]["batching"] == "sorted" and budget["config"]["max_batch_tokens"] == 256
+    a, b, c = (CacheDataset(str(tmp_path / n)) for n in ("ordered", "sorted", "budget"))
+    for i in range(len(a)):  # the stored order is the data's, whatever the batches
+        for key in ("input_ids", "loss_mask", "source_row"):
+            assert torch.equal(a[i][key], b[i][key]) and torch.equal(a[i][key], c[i][key])
+        for key in ("aux_hidden_states", "last_hidden_state"):
+            torch.testing.assert_close(b[i][key], a[i][key], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(c[i][key], a[i][key], rtol=1e-5, atol=1e-5)
+
+
+def test_a_resumed_sorted_run_writes_the_same_bytes(tiny_models, tmp_path):
+    whole = tmp_path / "whole"
+    _precompute(tiny_models, whole, "--max-batch-tokens", "300")
+    part = tmp_path / "part"
+    part.mkdir()
+    for name in os.listdir(whole):
+        if name != "shard-000001.safetensors":
+            (part / name).write_bytes((whole / name).read_bytes())
+    _precompute(tiny_models, part, "--max-batch-tokens", "300", "--resume")
+    assert sorted(os.listdir(part)) == sorted(os.listdir(whole))
+    for name in os.listdir(whole):
+        assert (part / name).read_bytes() == (whole / name).read_bytes(), name
+
+
+def test_the_audit_recomputes_a_sorted_cache_in_its_own_batches(tiny_models, tmp_path):
+    from speccache.precompute.audit import audit_cache
+
+    out = tmp_path / "c"
+    _precompute(tiny_models, out, "--batch-size", "4")
+    report = audit_cache(str(out), samples=24, device="cpu")
+    assert report.ok, report.problems
+    assert all(entry["max_error"] == 0 for entry in report.keys.values())
