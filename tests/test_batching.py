@@ -82,3 +82,20 @@ def test_the_audit_recomputes_a_sorted_cache_in_its_own_batches(tiny_models, tmp
     report = audit_cache(str(out), samples=24, device="cpu")
     assert report.ok, report.problems
     assert all(entry["max_error"] == 0 for entry in report.keys.values())
+
+
+def test_a_cache_from_before_sorted_batches_resumes_with_batching_ordered(tiny_models, tmp_path, capsys):
+    out = tmp_path / "old"
+    _precompute(tiny_models, out, "--batch-size", "4", "--batching", "ordered")
+    manifest = json.loads((out / "manifest.json").read_text())
+    for key in ("batching", "max_batch_tokens"):  # as a manifest written before the option has it
+        del manifest["config"][key]
+    manifest["complete"] = False
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    (out / "shard-000002.safetensors").unlink()
+    argv = ["--batch-size", "4", "--resume"]
+    with pytest.raises(AssertionError):  # the new default batches otherwise: refused, naming the field
+        _precompute(tiny_models, out, *argv)
+    assert "config.batching: cache has 'ordered', this run has 'sorted'" in capsys.readouterr().err
+    _precompute(tiny_models, out, *argv, "--batching", "ordered")
+    assert json.loads((out / "manifest.json").read_text())["complete"] is True
