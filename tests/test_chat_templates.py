@@ -14,11 +14,13 @@ token), and marks the tokens whose first character lies in it.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import numpy as np
 import pytest
 
-from speccache.data import ChatFormat, RowFailure, load_samples
+from speccache.data import ChatFormat, RowFailure, load_samples, merge_parts
 from speccache.data.template import mask_conversation
 from speccache.demo import build_demo_tokenizer
 
@@ -112,6 +114,7 @@ GENERATION_MARKED = (
     "{%- for m in messages -%}{%- if m.role == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}"
     "{%- generation -%}{{- m.content + '<|im_end|>' -}}{%- endgeneration -%}{{- '\\n' -}}"
     "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
 
@@ -127,7 +130,8 @@ def _last_user(messages: list[dict]) -> int:
 
 
 # What the loss must cover of each assistant message (index i), per reasoning mode: the text the template
-# writes for the turn after its generation prompt, less the reasoning block under "mask".
+# writes for the turn after its generation prompt (after the bare conversation without one), less the
+# reasoning block under "mask".
 def _generated(content: str, end: str, reasoning: str) -> str:
     """A template that renders the content as is, after a generation prompt that lacks ``<think>``."""
     thought, answer = _strip_think(content)
@@ -136,23 +140,13 @@ def _generated(content: str, end: str, reasoning: str) -> str:
     return content + end
 
 
-def _without_prompt(content: str, end: str, reasoning: str) -> str:
-    """The same, for a template with no generation prompt: the turn starts at its first located text."""
-    thought, answer = _strip_think(content)
-    if thought is None or not thought.strip():
-        return content + end
-    return (thought + "</think>" if reasoning == "keep" else "") + answer + end
-
-
 def _expect_chatml(messages, i, reasoning):
     return _generated(messages[i]["content"], "<|im_end|>", reasoning)
 
 
 def _expect_generation(messages, i, reasoning):
-    # {% generation %} spans cover the whole content; --reasoning mask takes the sentinel path (no prompt there).
-    if reasoning == "keep":
-        return messages[i]["content"] + "<|im_end|>"
-    return _without_prompt(messages[i]["content"], "<|im_end|>", reasoning)
+    # {% generation %} spans cover the whole content; --reasoning mask takes the sentinel path.
+    return _generated(messages[i]["content"], "<|im_end|>", reasoning)
 
 
 def _expect_qwen3(messages, i, reasoning):
@@ -181,7 +175,8 @@ def _expect_end(messages, i, reasoning):
 
 
 def _expect_mistral(messages, i, reasoning):
-    return _without_prompt(messages[i]["content"], "</s>", reasoning)
+    # no generation prompt: the model is prompted with the bare conversation, so it generates <think> too
+    return _generated(messages[i]["content"], "</s>", reasoning)
 
 
 def _expect_gemma(messages, i, reasoning):
@@ -537,3 +532,128 @@ def test_reasoning_content_is_in_the_input_and_supervised_only_under_keep(tok, r
     masked = tok.decode(ids[mask.astype(bool)].tolist(), skip_special_tokens=False)
     expected = "<think>\nAdd two and two.\n</think>\n\n" if reasoning == "keep" else ""
     assert masked == expected + "The sum is four.<|im_end|>"
+
+
+# --- turn modes -------------------------------------------------------------------------------------------------
+
+
+def _masked(tokenizer, sample) -> str:
+    return tokenizer.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if m], skip_special_tokens=False)
+
+
+def _reasoning_rows(tmp_path):
+    path = tmp_path / "r.jsonl"
+    rows = [{"messages": ROWS["reasoning"]}, {"messages": [{"role": "user", "content": "Hi"}]}]
+    rows += [{"messages": ROWS["single_turn"]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+TURN0 = "<think>\nAdd two and two.\n</think>\n\nThe sum is four.<|im_end|>"
+TURN1 = "<think>\nMultiply three by three.\n</think>\n\nThe product is nine.<|im_end|>"
+
+
+def test_turns_last_supervises_only_the_final_assistant_turn(tok, tmp_path):
+    everything, _ = load_samples(_reasoning_rows(tmp_path), tok, 4096, fmt=ChatFormat.for_tokenizer(tok, QWEN3_LIKE))
+    last, _ = load_samples(
+        _reasoning_rows(tmp_path), tok, 4096, fmt=ChatFormat.for_tokenizer(tok, QWEN3_LIKE, turns="last")
+    )
+    assert [s.input_ids for s in last] == [s.input_ids for s in everything]
+    assert _masked(tok, everything[0]) == "The sum is four.<|im_end|>" + TURN1  # turn 0's reasoning is not rendered
+    assert _masked(tok, last[0]) == TURN1
+    assert _masked(tok, last[1]) == _masked(tok, everything[1])
+
+
+def test_expand_turns_gives_one_sample_per_turn_each_with_its_own_reasoning(tok, tmp_path):
+    fmt = ChatFormat.for_tokenizer(tok, QWEN3_LIKE, expand_turns=True)
+    samples, stats = load_samples(_reasoning_rows(tmp_path), tok, 4096, fmt=fmt)
+    assert [(s.source_row, s.turn) for s in samples] == [(0, 0), (0, 1), (2, 0)]
+    assert stats.rows_read == 3 and stats.skipped == {"no_assistant_token": 1}
+    assert [_masked(tok, s) for s in samples[:2]] == [TURN0, TURN1]
+    assert "Add two and two" not in tok.decode(samples[1].input_ids)  # the template strips it before a later user
+    parts = [load_samples(_reasoning_rows(tmp_path), tok, 4096, fmt=fmt, part=(r, 2)) for r in range(2)]
+    merged, _ = merge_parts(parts)
+    assert list(merged) == list(samples) and merged.turns.tolist() == [0, 1, 0]
+
+
+# --- a real tokenizer: Mistral-7B-Instruct-v0.3's (SentencePiece, vendored by mistral-common) -------------------
+
+MISTRAL_V3_LIKE = """
+{{- bos_token -}}
+{%- set ns = namespace(last=-1) -%}
+{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}
+{%- for m in messages -%}
+{%- if m.role == 'user' -%}
+{%- if tools and loop.index0 == ns.last -%}{{- '[AVAILABLE_TOOLS] ' + (tools | tojson) + '[/AVAILABLE_TOOLS]' -}}
+{%- endif -%}
+{{- '[INST] ' + m.content + '[/INST]' -}}
+{%- elif m.role == 'assistant' and m.tool_calls -%}
+{{- '[TOOL_CALLS] [' -}}
+{%- for c in m.tool_calls -%}
+{{- '{"name": "' + c.function.name + '", "arguments": ' + (c.function.arguments | tojson) -}}
+{{- ', "id": "' + c.id + '"}' -}}
+{%- if not loop.last -%}{{- ', ' -}}{%- endif -%}
+{%- endfor -%}
+{{- ']' + eos_token -}}
+{%- elif m.role == 'assistant' -%}{{- ' ' + m.content | trim + eos_token -}}
+{%- elif m.role == 'tool' -%}
+{{- '[TOOL_RESULTS] {"content": ' + (m.content | tojson) + ', "call_id": "' + m.tool_call_id + '"}[/TOOL_RESULTS]' -}}
+{%- endif -%}
+{%- endfor -%}
+"""
+MISTRAL_V3_MODEL = "mistral_instruct_tokenizer_240323.model.v3"
+
+
+@pytest.fixture(scope="module")
+def mistral_v3(tmp_path_factory):
+    """Mistral-7B-Instruct-v0.3's tokenizer as a fast tokenizer, and mistral-common's own encoder of it."""
+    mistral_common = pytest.importorskip("mistral_common")
+    pytest.importorskip("sentencepiece")
+    from mistral_common.protocol.instruct.validator import ValidationMode
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+    from transformers import LlamaTokenizer
+
+    model = os.path.join(os.path.dirname(mistral_common.__file__), "data", MISTRAL_V3_MODEL)
+    folder = tmp_path_factory.mktemp("mistral_v3")
+    shutil.copy(model, folder / "tokenizer.model")
+    return LlamaTokenizer.from_pretrained(str(folder)), MistralTokenizer.from_file(model, ValidationMode.finetuning)
+
+
+def _mistral_common_ids(encoder, messages, tools=None) -> list[int]:
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+
+    return encoder.encode_chat_completion(ChatCompletionRequest.from_openai(messages=messages, tools=tools)).tokens
+
+
+def test_mistral_v3_first_content_tokens_are_supervised_and_ids_match_mistral_common(mistral_v3):
+    tok, encoder = mistral_v3
+    fmt = ChatFormat.for_tokenizer(tok, MISTRAL_V3_LIKE)
+    messages = [Q1, {"role": "assistant", "content": "The sum is four."}, Q2, {"role": "assistant", "content": "Red."}]
+    ids, mask = mask_conversation(tok, fmt, messages, "m.jsonl:1")
+    assert ids.tolist() == _mistral_common_ids(encoder, messages)
+    tokens = tok.convert_ids_to_tokens(ids.tolist())
+    supervised = [t for t, m in zip(tokens, mask) if m]
+    assert supervised == ["▁The", "▁sum", "▁is", "▁four", ".", "</s>", "▁Red", ".", "</s>"]
+    text = fmt.render(messages, "m")[0]
+    expected = ["The sum is four.</s>", "Red.</s>"]
+    assert mask.tolist() == checker_mask(tok, text, messages, expected, "[/INST]").tolist()
+
+
+def test_mistral_v3_tool_calls_are_supervised_and_ids_match_mistral_common(mistral_v3):
+    tok, encoder = mistral_v3
+    fmt = ChatFormat.for_tokenizer(tok, MISTRAL_V3_LIKE)
+    ids, mask = mask_conversation(tok, fmt, TOOL_ROW, "m.jsonl:1", TOOLS)
+    openai = [{k: v for k, v in m.items() if k != "thinking"} for m in TOOL_ROW]
+    openai[1] = {
+        "role": "assistant",
+        "tool_calls": [{**CALL, "function": {**CALL["function"], "arguments": '{"city": "Paris"}'}}],
+    }
+    assert ids.tolist() == _mistral_common_ids(encoder, openai, TOOLS)
+    text = fmt.render(TOOL_ROW, "m", TOOLS)[0]
+    expected = ['[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "call00001"}]</s>']
+    expected += ["It is sunny in Paris.</s>"]
+    turns = [m for m in TOOL_ROW if m["role"] != "tool"]
+    assert mask.tolist() == checker_mask(tok, text, turns, expected, "").tolist()
+    masked = tok.decode(ids[mask.astype(bool)].tolist())
+    for never in ("sunny, 21 C", "What is the weather", "Look up the weather", "AVAILABLE_TOOLS"):
+        assert never not in masked

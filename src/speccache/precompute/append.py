@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from speccache.data import SAMPLE_TURN_KEY, SOURCE_ROW_KEY
 from speccache.errors import CacheExistsError, CacheIncompleteError, DataError
 from speccache.format import Manifest, NativeShard, ShardFile, load_manifest_json, manifest_path, shard_path
 
@@ -36,6 +37,7 @@ __all__ = ["DATA_FIELDS", "AppendPlan", "AppendedDataset", "merge_stats", "plan_
 
 DATA_FIELDS = frozenset({"data", "data_hash", "limit", "skip_bad_rows", "appended"})
 """Configuration fields an append may change: which data the samples come from."""
+_PER_SAMPLE = (SOURCE_ROW_KEY, SAMPLE_TURN_KEY)  # fixed int64 keys a recomputed stored sample keeps
 
 
 @dataclass
@@ -99,7 +101,7 @@ def _stored_tokens(out: str, body: Mapping[str, Any], index: int, count: int) ->
     manifest = Manifest.from_json(body, manifest_path(out))
     shard = NativeShard(shard_path(out, index), manifest.schema, index, None, verify=True)
     try:
-        keys = [k for k in ("input_ids", "loss_mask", "source_row") if k in manifest.schema]
+        keys = [k for k in ("input_ids", "loss_mask", *_PER_SAMPLE) if k in manifest.schema]
         rows = {k: shard.rows(k, 0, count).clone() for k in keys}
         offsets = shard.row_offsets
     finally:
@@ -112,8 +114,7 @@ def _stored_tokens(out: str, body: Mapping[str, Any], index: int, count: int) ->
             "loss_mask": rows["loss_mask"][a:b].bool(),
             # A sample cleared by --nonfinite skip stores no supervised token: recomputed, it is cleared again.
         }
-        if "source_row" in rows:
-            item["source_row"] = rows["source_row"][i].to(torch.int64)
+        item.update((k, rows[k][i].to(torch.int64)) for k in _PER_SAMPLE if k in rows)
         items.append(item)
     return items
 
