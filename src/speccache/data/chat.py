@@ -6,18 +6,24 @@ Hugging Face ``datasets``' ``save_to_disk`` (the last two are read through ``dat
 Arrow). A row is one of:
 
 * ShareGPT / FastChat: ``{"conversations": [{"from": "human"|"gpt"|"system"|"user"|"assistant", "value": str},
-  ...]}`` (``human`` means ``user`` and ``gpt`` means ``assistant``), with an optional top-level ``"system"``
-  string that becomes the first message;
-* OpenAI: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``;
+  ...]}`` (``human`` means ``user`` and ``gpt`` means ``assistant``; ``function_call``, whose value is the JSON
+  of a call ``{"name", "arguments"}`` or a list of them, is an assistant tool call, and ``observation`` a tool
+  result), with an optional top-level ``"system"`` string that becomes the first message;
+* OpenAI: ``{"messages": [{"role": "system"|"user"|"assistant"|"tool"|"ipython", "content": str}, ...]}``, an
+  assistant's ``tool_calls`` (arguments an object or its JSON text, decoded) and reasoning
+  (``reasoning_content``, ``reasoning`` or ``thinking``), content as a list of text parts (joined by newlines),
+  every other field kept for the template;
+* either chat form with a top-level ``"tools"`` list of tool schemas (or its JSON text);
 * pre-tokenized: ``{"input_ids": [int, ...], "loss_mask": [0|1, ...]}`` of equal, non-zero length.
 
 Other keys (``"id"``...) are ignored. Rows are named in messages as ``file:line`` (1-based line) for JSON
 lines and ``file[index]`` (0-based) otherwise. A sample's ``source_row`` is its 0-based row number: the
 0-based line of a JSON-lines file, the index in a ``.json`` list, a Parquet file or a dataset.
 
-Loss mask: see :mod:`speccache.data.template` (assistant contents plus their end-of-turn tokens, located in
-one rendering of the whole conversation, for any template). Samples are truncated to ``max_length`` tokens
-after masking; a row left without a masked token is skipped and counted, not an error.
+Loss mask: see :mod:`speccache.data.template` (what the model generates in each assistant turn, located in
+one rendering of the whole conversation, for any template; docs/data.md). With ``--expand-turns`` a row gives
+one sample per assistant turn, and each records its turn beside its ``source_row``. Samples are truncated to
+``max_length`` tokens after masking; a row left without a masked token is skipped and counted, not an error.
 
 Skip reasons (``DataStats.skipped``): ``malformed`` (not a valid row), ``template_error`` (the chat template
 rejected it), ``mask_unplaceable`` (its assistant turns cannot be located), ``no_assistant_token`` (nothing
