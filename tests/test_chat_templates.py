@@ -325,7 +325,7 @@ def test_unplaceable_and_rejected_rows_are_counted_by_reason(tmp_path, tok):
         assert all(r.reason in (reason, "malformed") for r in stats.skipped_rows)
 
 
-def test_a_64_turn_row_renders_twice_plus_two_prefixes_per_assistant_turn(tok, monkeypatch):
+def test_a_64_turn_row_renders_twice_plus_one_prompt_per_assistant_turn(tok, monkeypatch):
     calls = []
     real = ChatFormat.render
 
@@ -337,7 +337,7 @@ def test_a_64_turn_row_renders_twice_plus_two_prefixes_per_assistant_turn(tok, m
     fmt = ChatFormat.for_tokenizer(tok, QWEN3_LIKE, date="2026-12-01")
     messages = [m for i in range(32) for m in (Q1, A1 if i % 2 else THINK1)]
     mask_conversation(tok, fmt, messages, "x")
-    assert len(calls) == 2 + 2 * 32  # the row, its sentinel twin, and each turn's context with and without prompt
+    assert len(calls) == 2 + 32  # the row, its sentinel twin, and the generation prompt of each turn
 
 
 # --- tools and reasoning fields, with templates that render them as today's do --------------------------------

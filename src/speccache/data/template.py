@@ -19,9 +19,9 @@ The turns are found without assuming the template is prefix-stable:
    name replaced by unique sentinel strings (``<think>R</think>C`` when the content carries reasoning).
    The text between sentinels is template scaffolding; locating each piece in order in the real rendering
    leaves, in the gaps, the exact rendered text of each, whatever the template did to it (stripped,
-   reasoning moved or dropped). A turn starts where the rendering leaves its generation prompt (renders
-   of the conversation before it, with and without the prompt; where that is not a prefix of the whole,
-   at its first gap) and ends with the special token that closes its content (after optional whitespace)
+   reasoning moved or dropped). A turn starts where the rendering leaves its generation prompt (a render
+   of the conversation before it with the prompt, and without where that is not a prefix of the whole;
+   at its first gap where the conversation before it renders otherwise) and ends with the special token that closes its content (after optional whitespace)
    or its last tool call.
 
 Character spans become token masks through the fast tokenizer's offsets.
@@ -445,12 +445,10 @@ def _turn_start(fmt: ChatFormat, messages: list[dict], turn: int, text: str, whe
     there (then the turn's first located text starts it).
     """
     try:
-        context, _ = fmt.render(messages[:turn], where, tools)
-        prompt = (
-            fmt.render(messages[:turn], where, tools, generation_prompt=True)[0]
-            if fmt.has_generation_prompt
-            else context
-        )
+        prompt, _ = fmt.render(messages[:turn], where, tools, generation_prompt=fmt.has_generation_prompt)
+        if text.startswith(prompt):  # the common case: no second render needed
+            return len(prompt)
+        context = fmt.render(messages[:turn], where, tools)[0] if fmt.has_generation_prompt else prompt
     except RowFailure:
         return None
     # The prompt leaves the bare context where its header begins (a template may end the bare context with
