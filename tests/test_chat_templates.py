@@ -720,3 +720,24 @@ def test_qwen3_tool_calls_on_the_real_vocabulary(qwen3_tok):
     turns = [m for m in TOOL_ROW if m["role"] != "tool"]
     assert mask.tolist() == checker_mask(tok, text, turns, expected, header).tolist()
     assert mask[ids.tolist().index(tok.convert_tokens_to_ids("<tool_call>"))] == 1
+
+
+def test_a_tokenizer_without_a_jinja_template_is_encoded_by_mistral_common(mistral_v3, tmp_path):
+    import mistral_common
+    from transformers.tokenization_mistral_common import MistralCommonBackend
+
+    from speccache.data import chat_format
+
+    fast, _ = mistral_v3
+    backend = MistralCommonBackend(os.path.join(os.path.dirname(mistral_common.__file__), "data", MISTRAL_V3_MODEL))
+    path = tmp_path / "m.jsonl"
+    rows = [{"messages": TOOL_ROW, "tools": TOOLS}, {"messages": ROWS["multi_turn"]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    samples, _ = load_samples(str(path), backend, 4096, fmt=chat_format(backend))
+    # the same ids and masks as the Jinja rendering of Mistral v0.3's format with its fast tokenizer
+    jinja = ChatFormat.for_tokenizer(fast, MISTRAL_V3_LIKE)
+    for sample, row in zip(samples, rows):
+        ids, mask = mask_conversation(fast, jinja, row["messages"], "m", row.get("tools"))
+        assert (sample.input_ids, sample.loss_mask) == (ids.tolist(), mask.tolist())
+    last, _ = load_samples(str(path), backend, 4096, fmt=chat_format(backend, turns="last"))
+    assert _masked(fast, last[1]) == "Nine, of course.</s>"

@@ -317,3 +317,51 @@ def test_tools_file_is_rendered_for_rows_without_tools_and_recorded(model_dir, t
     assert _shards(tmp_path / "with") != _shards(tmp_path / "without")
     assert main(["precompute", "--model", model_dir, "--data", str(data), "--out", str(tmp_path / "x"),
                  "--tools", str(tmp_path / "missing.json")]) == 1  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tekken_model_dir(tmp_path_factory):
+    """A tiny random Mistral whose folder ships only tekken.json, as Mistral's recent releases do."""
+    mistral_common = pytest.importorskip("mistral_common")
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    folder = tmp_path_factory.mktemp("tekken")
+    shutil.copy(
+        os.path.join(os.path.dirname(mistral_common.__file__), "data", "tekken_240911.json"), folder / "tekken.json"
+    )
+    config = MistralConfig(vocab_size=131072, hidden_size=16, intermediate_size=32, num_hidden_layers=4)
+    config.update({"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8})
+    torch.manual_seed(0)
+    MistralForCausalLM(config).save_pretrained(str(folder))
+    return str(folder)
+
+
+def test_a_tekken_only_target_is_cached_through_mistral_common(tekken_model_dir, tmp_path):
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+    from mistral_common.protocol.instruct.validator import ValidationMode
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    from speccache.read import CacheDataset
+
+    tokenizer = load_chat_tokenizer(tekken_model_dir)
+    assert type(tokenizer).__name__ == "MistralCommonBackend"  # it has no Jinja template and no offsets
+    encoder = MistralTokenizer.from_file(os.path.join(tekken_model_dir, "tekken.json"), ValidationMode.finetuning)
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"What is {i} plus {i}?"},
+                {"role": "assistant", "content": f"{2 * i}."},
+            ]
+        }
+        for i in range(4)
+    ]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _precompute(tekken_model_dir, data, tmp_path / "out")
+    ds = CacheDataset(str(tmp_path / "out"))
+    assert len(ds) == 4
+    for i, row in enumerate(rows):
+        ids, mask = ds[i]["input_ids"], ds[i]["loss_mask"].bool()
+        assert ids.tolist() == encoder.encode_chat_completion(ChatCompletionRequest.from_openai(row["messages"])).tokens
+        assert tokenizer.decode(ids[mask].tolist(), skip_special_tokens=False) == f"{2 * i}.</s>"

@@ -51,7 +51,9 @@ import xxhash
 from speccache.data.template import (
     REASONING_FIELDS,
     ChatFormat,
+    MistralCommonFormat,
     RowFailure,
+    chat_format,
     conversation_samples,
     tokenizer_template,
     tool_list,
@@ -588,7 +590,7 @@ def chat_template_of(tokenizer: Any) -> str | None:
 _Sample = tuple[int, np.ndarray, np.ndarray]  # (turn, input_ids, loss_mask); turn -1: the whole row
 
 
-def _encode(row: Any, tokenizer: Any, fmt: ChatFormat | None, where: str) -> list[_Sample] | None:
+def _encode(row: Any, tokenizer: Any, fmt: ChatFormat | MistralCommonFormat | None, where: str) -> list[_Sample] | None:
     """Full-length samples of a row (one, or one per assistant turn), or None when it has no assistant message."""
     if not isinstance(row, dict):
         raise _not_an_object(where, row)
@@ -616,13 +618,18 @@ def _encode(row: Any, tokenizer: Any, fmt: ChatFormat | None, where: str) -> lis
     return conversation_samples(tokenizer, fmt, messages, where, tools)
 
 
-def _default_format(tokenizer: Any) -> ChatFormat | None:
-    template = chat_template_of(tokenizer)
-    return None if template is None else ChatFormat.for_tokenizer(tokenizer, template)
+def _default_format(tokenizer: Any) -> ChatFormat | MistralCommonFormat | None:
+    return chat_format(tokenizer)
 
 
 def tokenize_row(
-    row: dict, tokenizer: Any, max_length: int, *, where: str, source_row: int = -1, fmt: ChatFormat | None = None
+    row: dict,
+    tokenizer: Any,
+    max_length: int,
+    *,
+    where: str,
+    source_row: int = -1,
+    fmt: ChatFormat | MistralCommonFormat | None = None,
 ) -> TokenizedSample | None:
     """Tokenize one row and build its assistant-only loss mask (see the module docstring).
 
@@ -661,7 +668,7 @@ def load_samples(
     *,
     limit: int | None = None,
     skip_bad_rows: bool = False,
-    fmt: ChatFormat | None = None,
+    fmt: ChatFormat | MistralCommonFormat | None = None,
     num_proc: int = 1,
     part: tuple[int, int] = (0, 1),
     split: str | None = None,
@@ -775,14 +782,14 @@ def _encode_rows(rows: list[tuple[int, str, Any]]) -> list[_Encoded]:
     return out
 
 
-def _init_worker(tokenizer: Any, fmt: ChatFormat | None) -> None:
+def _init_worker(tokenizer: Any, fmt: ChatFormat | MistralCommonFormat | None) -> None:
     _WORKER.update(tokenizer=tokenizer, fmt=fmt)
 
 
 class _Encoder:
     """Encodes rows in order, in ``num_proc`` forked worker processes when ``num_proc > 1``."""
 
-    def __init__(self, tokenizer: Any, fmt: ChatFormat | None, num_proc: int) -> None:
+    def __init__(self, tokenizer: Any, fmt: ChatFormat | MistralCommonFormat | None, num_proc: int) -> None:
         self.tokenizer, self.fmt, self.num_proc = tokenizer, fmt, num_proc
         self.pool: Any = None
         self.in_flight: collections.deque[Any] = collections.deque()

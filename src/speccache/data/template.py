@@ -46,6 +46,7 @@ __all__ = [
     "REASONING_MODES",
     "TURN_MODES",
     "ChatFormat",
+    "MistralCommonFormat",
     "RowFailure",
     "chat_format",
     "conversation_samples",
@@ -268,6 +269,87 @@ class ChatFormat:
         return [{"role": "system", "content": self.system_prompt}, *messages]
 
 
+@dataclass(frozen=True)
+class MistralCommonFormat:
+    """How chat rows become tokens and masks for a tokenizer with no Jinja template (``MistralCommonBackend``).
+
+    Rows are encoded by ``mistral-common``'s own chat requests (fine-tuning validation, which takes a final
+    assistant message), as Mistral's serving stack encodes them; each assistant message's tokens, as its
+    encoder writes them, are located in the whole. Attributes as :class:`ChatFormat`'s.
+    """
+
+    tokenizer_path: str
+    reasoning: str
+    system_prompt: str | None
+    date: str
+    tools: list[dict] | None = None
+    turns: str = "all"
+    expand_turns: bool = False
+    template: str = ""  # no Jinja template: recorded as the hash of nothing
+    uses_date = False
+
+    def with_system_prompt(self, messages: list[dict]) -> list[dict]:
+        """``messages`` with :attr:`system_prompt` prepended when they have no system message."""
+        return ChatFormat.with_system_prompt(self, messages)  # type: ignore[arg-type]
+
+    def encode(self, messages: list[dict], where: str, tools: Any) -> tuple[list[int], list[list[int]]]:
+        """The conversation's tokens and, in order, each assistant message's own tokens.
+
+        Raises:
+            RowFailure: mistral-common refuses the conversation (reason ``template_error``).
+        """
+        from mistral_common.protocol.instruct.request import ChatCompletionRequest
+
+        encoder = _mistral_encoder(self.tokenizer_path)
+        instruct = encoder.instruct_tokenizer
+        assistant: list[list[int]] = []
+        encode_assistant = instruct.encode_assistant_message
+
+        def recording(*args: Any, **kwargs: Any) -> list[int]:
+            tokens = encode_assistant(*args, **kwargs)
+            assistant.append(list(tokens))
+            return tokens
+
+        instruct.encode_assistant_message = recording  # an instance attribute: this encoder only, this call
+        try:
+            request = ChatCompletionRequest.from_openai(messages=messages, tools=tools or None)
+            tokens = list(encoder.encode_chat_completion(request).tokens)
+        except Exception as e:  # mistral-common's validation raises its own exception types and pydantic's
+            raise RowFailure(
+                f"{where}: mistral-common rejected the conversation ({type(e).__name__}: {e}); fix the row's "
+                "roles or order, or skip such rows with --skip-bad-rows",
+                "template_error",
+            ) from e
+        finally:
+            del instruct.encode_assistant_message
+        return tokens, assistant
+
+
+@lru_cache(maxsize=4)
+def _mistral_encoder(path: str) -> Any:
+    from mistral_common.protocol.instruct.validator import ValidationMode
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    return MistralTokenizer.from_file(path, mode=ValidationMode.finetuning)
+
+
+def _mistral_common_mask(
+    fmt: MistralCommonFormat, messages: list[dict], where: str, tools: Any, turns: str
+) -> tuple[np.ndarray, np.ndarray]:
+    tokens, assistant = fmt.encode(messages, where, tools)
+    mask = np.zeros(len(tokens), dtype=np.uint8)
+    spans, pos = [], 0
+    for piece in assistant:
+        at = next((i for i in range(pos, len(tokens) - len(piece) + 1) if tokens[i : i + len(piece)] == piece), -1)
+        if at < 0:
+            raise _unplaceable(where, "an assistant message's tokens are not in the encoded conversation")
+        spans.append((at, at + len(piece)))
+        pos = at + len(piece)
+    for a, b in spans[-1:] if turns == "last" else spans:
+        mask[a:b] = 1
+    return np.asarray(tokens, dtype=np.int32), mask
+
+
 @lru_cache(maxsize=16)
 def _alternation(tokens: tuple[str, ...]) -> re.Pattern[str]:
     return re.compile("|".join(re.escape(t) for t in tokens) or r"(?!)")
@@ -280,15 +362,17 @@ def tokenizer_template(tokenizer: Any) -> str | None:
         return None
 
 
-def load_chat_tokenizer(model: str) -> Any:
+def load_chat_tokenizer(model: str, template_file: str | None = None) -> Any:
     """Load ``model``'s tokenizer as a fast tokenizer, the kind whose offsets the masks need.
 
     ``AutoTokenizer`` may give a backend without ``get_chat_template`` or offsets (``MistralCommonBackend``
-    when ``mistral-common`` is installed and the folder has ``tekken.json``); then the folder's
-    ``tokenizer.json`` is loaded as a ``PreTrainedTokenizerFast`` instead.
+    when ``mistral-common`` is installed and the folder has ``tekken.json``); then the folder's tokenizer is
+    loaded as a ``PreTrainedTokenizerFast`` instead, where it has a chat template (or ``template_file``, the
+    ``--chat-template``, gives one). Otherwise a ``MistralCommonBackend`` is kept: its rows are encoded by
+    mistral-common itself (:class:`MistralCommonFormat`).
 
     Raises:
-        DataError: no fast tokenizer can be loaded from the folder.
+        DataError: neither a fast tokenizer nor a ``MistralCommonBackend`` can be loaded from the folder.
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -296,13 +380,20 @@ def load_chat_tokenizer(model: str) -> Any:
     if getattr(tokenizer, "is_fast", False) and hasattr(tokenizer, "backend_tokenizer"):
         return tokenizer
     try:
-        return PreTrainedTokenizerFast.from_pretrained(model)
+        fast = PreTrainedTokenizerFast.from_pretrained(model)
     except (OSError, ValueError) as e:
-        raise DataError(
-            f"--model {model}: the tokenizer loads as {type(tokenizer).__name__}, which gives neither a chat "
-            "template nor token offsets, and the folder has no loadable tokenizer.json; add the model's "
-            f"tokenizer.json (a Hugging Face fast tokenizer) to the folder ({e})"
-        ) from e
+        fast, error = None, e
+    if fast is not None and (template_file or tokenizer_template(fast) is not None):
+        return fast
+    if mistral_common_path(tokenizer) is not None:
+        return tokenizer
+    if fast is not None:
+        return fast
+    raise DataError(
+        f"--model {model}: the tokenizer loads as {type(tokenizer).__name__}, which gives neither a chat "
+        "template nor token offsets, and the folder has no loadable tokenizer.json; add the model's "
+        f"tokenizer.json (a Hugging Face fast tokenizer) to the folder ({error})"
+    ) from error
 
 
 def chat_format(
@@ -322,10 +413,20 @@ def chat_format(
         ValueError: unknown ``reasoning`` or ``turns``.
     """
     template = load_template_file(template_file) if template_file else tokenizer_template(tokenizer)
-    if template is None:
-        return None
     tools = load_tools_file(tools_file) if tools_file else None
+    if template is None:
+        path = mistral_common_path(tokenizer)
+        if path is None:
+            return None
+        return MistralCommonFormat(path, reasoning, system_prompt, date or today(), tools, turns, expand_turns)
     return ChatFormat.for_tokenizer(tokenizer, template, reasoning, system_prompt, date, tools, turns, expand_turns)
+
+
+def mistral_common_path(tokenizer: Any) -> str | None:
+    """The tokenizer file of a ``MistralCommonBackend`` (rows are then encoded by mistral-common), else None."""
+    path = getattr(tokenizer, "_tokenizer_path", None)
+    inner = getattr(tokenizer, "__dict__", {}).get("tokenizer")
+    return str(path) if path is not None and hasattr(inner, "encode_chat_completion") else None
 
 
 def _split_reasoning(content: Any) -> tuple[str | None, Any]:
@@ -533,7 +634,7 @@ def _spans_to_mask(text: str, offsets: np.ndarray, spans: list[tuple[int, int]])
 
 def mask_conversation(
     tokenizer: Any,
-    fmt: ChatFormat,
+    fmt: ChatFormat | MistralCommonFormat,
     messages: list[dict],
     where: str,
     tools: list[dict] | None = None,
@@ -559,6 +660,8 @@ def mask_conversation(
     messages = fmt.with_system_prompt(messages)
     tools = fmt.tools if tools is None else tools
     turns = turns or fmt.turns
+    if isinstance(fmt, MistralCommonFormat):
+        return _mistral_common_mask(fmt, messages, where, tools, turns)
     use_markers = fmt.has_generation_markers and not (
         fmt.reasoning == "mask" and any(_has_reasoning(m) for m in messages if m["role"] == "assistant")
     )
@@ -574,7 +677,11 @@ def mask_conversation(
 
 
 def conversation_samples(
-    tokenizer: Any, fmt: ChatFormat, messages: list[dict], where: str, tools: list[dict] | None = None
+    tokenizer: Any,
+    fmt: ChatFormat | MistralCommonFormat,
+    messages: list[dict],
+    where: str,
+    tools: list[dict] | None = None,
 ) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """``(turn, input_ids, loss_mask)`` of each sample a conversation gives.
 

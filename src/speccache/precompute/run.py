@@ -380,7 +380,7 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
     else:
         aux = []
         selection = preset_selection(cfg.method, num_layers, cfg.layers, cfg.last_hidden, cfg.last_prenorm)
-    tokenizer = load_chat_tokenizer(cfg.model)
+    tokenizer = load_chat_tokenizer(cfg.model, cfg.chat_template)
     vocab_size = int(text_config.vocab_size)
     draft = cfg.draft_vocab_size if cfg.draft_vocab_size is not None else vocab_size
     if not 1 <= draft <= vocab_size:
