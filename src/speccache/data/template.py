@@ -54,7 +54,6 @@ __all__ = [
     "load_template_file",
     "load_tools_file",
     "mask_conversation",
-    "reasoning_field",
     "today",
     "tokenizer_template",
     "tool_list",
@@ -385,7 +384,7 @@ def load_chat_tokenizer(model: str, template_file: str | None = None) -> Any:
         fast, error = None, e
     if fast is not None and (template_file or tokenizer_template(fast) is not None):
         return fast
-    if mistral_common_path(tokenizer) is not None:
+    if _mistral_common_path(tokenizer) is not None:
         return tokenizer
     if fast is not None:
         return fast
@@ -415,14 +414,14 @@ def chat_format(
     template = load_template_file(template_file) if template_file else tokenizer_template(tokenizer)
     tools = load_tools_file(tools_file) if tools_file else None
     if template is None:
-        path = mistral_common_path(tokenizer)
+        path = _mistral_common_path(tokenizer)
         if path is None:
             return None
         return MistralCommonFormat(path, reasoning, system_prompt, date or today(), tools, turns, expand_turns)
     return ChatFormat.for_tokenizer(tokenizer, template, reasoning, system_prompt, date, tools, turns, expand_turns)
 
 
-def mistral_common_path(tokenizer: Any) -> str | None:
+def _mistral_common_path(tokenizer: Any) -> str | None:
     """The tokenizer file of a ``MistralCommonBackend`` (rows are then encoded by mistral-common), else None."""
     path = getattr(tokenizer, "_tokenizer_path", None)
     inner = getattr(tokenizer, "__dict__", {}).get("tokenizer")
@@ -436,13 +435,13 @@ def _split_reasoning(content: Any) -> tuple[str | None, Any]:
     return found.group(1), found.group(2)
 
 
-def reasoning_field(message: Mapping[str, Any]) -> str | None:
+def _reasoning_field(message: Mapping[str, Any]) -> str | None:
     """The field that carries an assistant message's reasoning (``reasoning_content``, ...), or None."""
     return next((k for k in REASONING_FIELDS if isinstance(message.get(k), str)), None)
 
 
 def _has_reasoning(message: Mapping[str, Any]) -> bool:
-    field = reasoning_field(message)
+    field = _reasoning_field(message)
     return bool(message[field].strip()) if field else _split_reasoning(message.get("content"))[0] is not None
 
 
@@ -475,7 +474,7 @@ def _sentinel_messages(messages: list[dict]) -> tuple[list[dict], dict[str, tupl
             out.append(message)
             continue
         shadow = dict(message)
-        field = reasoning_field(message)
+        field = _reasoning_field(message)
         content = message.get("content")
         inline, _ = _split_reasoning(content) if field is None else (None, content)
         if field is not None and message[field].strip():
