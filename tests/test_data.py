@@ -203,7 +203,38 @@ BAD_ROWS = [
     ({"messages": ["hi"]}, r"messages\[0\] must be an object"),
     ({"messages": [{"role": "bot", "content": "x"}]}, r"messages\[0\]\.role must be one of system, user, assistant"),
     ({"conversations": [{"from": "human", "value": 3}]}, r"conversations\[0\]\.value must be a string"),
-    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "flatten"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, r"content\[0\] is a text part without"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "'image_url' part; only text parts"),
+    ({"messages": [{"role": "user", "content": 3}]}, "string or a list of text parts"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{"x": 1}]}]}, "tool call"),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]},
+            ]
+        },
+        "not JSON",
+    ),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": [1]}}]},
+            ]
+        },
+        "must be an object",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": 1}]},
+        "reasoning_content must be a string",
+    ),
+    (
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "{"}]},
+        "function_call must be a JSON",
+    ),
+    ({"messages": [{"role": "user", "content": "q"}], "tools": "{"}, "'tools' is a string but not JSON"),
+    ({"messages": [{"role": "user", "content": "q"}], "tools": [1]}, "list of tool schema objects"),
     ({"messages": [{"role": "assistant", "content": "x"}]}, "starts with an assistant message"),
     ({"input_ids": [1, 2, 3], "loss_mask": [0, 1]}, "'loss_mask' has 2 entries but 'input_ids' has 3"),
     ({"input_ids": [1, 2, 3]}, "needs 'loss_mask'"),

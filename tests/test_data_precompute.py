@@ -344,3 +344,134 @@ def test_ctrl_c_while_worker_processes_tokenize_ends_the_run_and_its_workers(mod
     assert code != 0
     assert not _group(proc.pid), "worker processes outlived the run"
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+THINKING_TEMPLATE = (  # reasoning rendered only after the last user message, as Qwen3's template does
+    "{{- bos_token -}}{%- set ns = namespace(last=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}{%- if m.role == 'assistant' -%}{{- '<|assistant|>' -}}"
+    "{%- if m.reasoning_content and loop.index0 > ns.last -%}{{- '<think>' + m.reasoning_content + '</think>' -}}"
+    "{%- endif -%}{{- m.content + '<|end|>' -}}"
+    "{%- else -%}{{- '<|' + m.role + '|>' + m.content + '<|end|>' -}}{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
+)
+
+
+def _thinking_rows(n: int) -> list[dict]:
+    rows = []
+    for i in range(n):
+        turns = [{"role": "user", "content": f"Question {i}?"}]
+        for k in range(1 + i % 3):
+            turns.append({"role": "assistant", "content": f"Answer {i}.{k}.", "reasoning_content": f"think {i} {k}"})
+            turns.append({"role": "user", "content": "And then?"})
+        rows.append({"messages": turns[:-1]})
+    return rows
+
+
+def test_expand_turns_caches_one_sample_per_turn_and_resumes_byte_identical(model_dir, tmp_path, monkeypatch):
+    from speccache.read import CacheDataset
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _thinking_rows(4)))  # 1 + 2 + 3 + 1 assistant turns
+    template = tmp_path / "thinking.jinja"
+    template.write_text(THINKING_TEMPLATE)
+    flags = ["--chat-template", str(template), "--expand-turns", "--max-length", "96", "--shard-size", "2"]
+    flags += ["--batch-size", "2", "--quiet"]
+    args = ["precompute", "--model", model_dir, "--data", str(data), *flags]
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    config = load_manifest_json(manifest_path(str(tmp_path / "whole")))["config"]
+    assert config["expand_turns"] is True and "turns" not in config
+    ds = CacheDataset(str(tmp_path / "whole"))
+    assert len(ds) == 7
+    assert [(int(ds[i]["source_row"]), int(ds[i]["sample_turn"])) for i in range(7)] == [
+        (0, 0), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2), (3, 0)
+    ]  # fmt: skip
+    tok = load_chat_tokenizer(model_dir)
+    masked = tok.decode(ds[4]["input_ids"][ds[4]["loss_mask"].bool()].tolist())
+    assert "think 2 1" in masked and "Answer 2.1." in masked and "Answer 2.0" not in masked
+
+    real_call = speccache.write.NativeShardWriter.__call__
+    written = []
+
+    def failing_call(self, output_dir, shard_index, samples):
+        if written:
+            raise OSError("simulated crash after one shard")
+        written.append(shard_index)
+        return real_call(self, output_dir, shard_index, samples)
+
+    out = tmp_path / "interrupted"
+    monkeypatch.setattr(speccache.write.NativeShardWriter, "__call__", failing_call)
+    assert main([*args, "--out", str(out)]) == 1
+    monkeypatch.setattr(speccache.write.NativeShardWriter, "__call__", real_call)
+    assert main([*args, "--out", str(out), "--turns", "last", "--resume"]) == 1  # another turn mode: refused
+    assert main([*args, "--out", str(out), "--resume"]) == 0
+    assert _shards(out) == _shards(tmp_path / "whole")
+
+
+def test_tools_file_is_rendered_for_rows_without_tools_and_recorded(model_dir, tmp_path):
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "Find a fact."}}]
+    (tmp_path / "tools.json").write_text(json.dumps(tools))
+    template = tmp_path / "t.jinja"
+    template.write_text(
+        "{%- if tools -%}{{- '<|system|>' + (tools | tojson) + '<|end|>' -}}{%- endif -%}"
+        "{%- for m in messages -%}{{- '<|' + m.role + '|>' + m.content + '<|end|>' -}}{%- endfor -%}"
+    )
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    flags = ("--chat-template", str(template), "--max-length", "400", "--tools", str(tmp_path / "tools.json"))
+    _precompute(model_dir, data, tmp_path / "with", *flags)
+    _precompute(model_dir, data, tmp_path / "without", *flags[:4])
+    config = load_manifest_json(manifest_path(str(tmp_path / "with")))["config"]
+    assert len(config["tools_hash"]) == 32
+    assert "tools_hash" not in load_manifest_json(manifest_path(str(tmp_path / "without")))["config"]
+    assert _shards(tmp_path / "with") != _shards(tmp_path / "without")
+    assert main(["precompute", "--model", model_dir, "--data", str(data), "--out", str(tmp_path / "x"),
+                 "--tools", str(tmp_path / "missing.json")]) == 1  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tekken_model_dir(tmp_path_factory):
+    """A tiny random Mistral whose folder ships only tekken.json, as Mistral's recent releases do."""
+    mistral_common = pytest.importorskip("mistral_common")
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    folder = tmp_path_factory.mktemp("tekken")
+    shutil.copy(
+        os.path.join(os.path.dirname(mistral_common.__file__), "data", "tekken_240911.json"), folder / "tekken.json"
+    )
+    config = MistralConfig(vocab_size=131072, hidden_size=16, intermediate_size=32, num_hidden_layers=4)
+    config.update({"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8})
+    torch.manual_seed(0)
+    MistralForCausalLM(config).save_pretrained(str(folder))
+    return str(folder)
+
+
+def test_a_tekken_only_target_is_cached_through_mistral_common(tekken_model_dir, tmp_path):
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+    from mistral_common.protocol.instruct.validator import ValidationMode
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    from speccache.read import CacheDataset
+
+    tokenizer = load_chat_tokenizer(tekken_model_dir)
+    assert type(tokenizer).__name__ == "MistralCommonBackend"  # it has no Jinja template and no offsets
+    encoder = MistralTokenizer.from_file(os.path.join(tekken_model_dir, "tekken.json"), ValidationMode.finetuning)
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"What is {i} plus {i}?"},
+                {"role": "assistant", "content": f"{2 * i}."},
+            ]
+        }
+        for i in range(4)
+    ]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _precompute(tekken_model_dir, data, tmp_path / "out")
+    ds = CacheDataset(str(tmp_path / "out"))
+    assert len(ds) == 4
+    for i, row in enumerate(rows):
+        ids, mask = ds[i]["input_ids"], ds[i]["loss_mask"].bool()
+        assert ids.tolist() == encoder.encode_chat_completion(ChatCompletionRequest.from_openai(row["messages"])).tokens
+        assert tokenizer.decode(ids[mask].tolist(), skip_special_tokens=False) == f"{2 * i}.</s>"

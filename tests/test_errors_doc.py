@@ -484,7 +484,18 @@ TRIGGERS: dict[str, T] = {
     "must be a non-empty list of messages": lambda e: _row({"messages": []}),
     "must be an object with": lambda e: _row({"messages": ["hi"]}),
     "must be one of": lambda e: _row({"messages": [{"role": "robot", "content": "hi"}]}),
-    "must be a string, got": lambda e: _row({"messages": [{"role": "user", "content": [{"text": "hi"}]}]}),
+    "must be a string, got": lambda e: _row({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "thinking": 1}]}),
+    "must be a string or a list of text parts": lambda e: _row({"messages": [{"role": "user", "content": 1}]}),
+    "part; only text parts": lambda e: _row({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    "is a text part without a string 'text'": lambda e: _row({"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
+    "must be a tool call": lambda e: _row({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{}]}]}),
+    "the arguments string is not JSON": lambda e: _row({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]}),
+    "the arguments must be an object": lambda e: _row({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 1}}]}]}),
+    "a function_call must be a JSON object": lambda e: _row({"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "{"}]}),
+    "is a string but not JSON": lambda e: _row({"messages": [{"role": "user", "content": "q"}], "tools": "{"}),
+    "must be a list of tool schema objects": lambda e: _row({"messages": [{"role": "user", "content": "q"}], "tools": {}}),
+    "mistral-common rejected the conversation": lambda e: _mistral_common_row({"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "r", "tool_call_id": "x"}, {"role": "assistant", "content": "a"}]}),
+    "cannot read the file": lambda e: __import__("speccache.data").data.load_tools_file(str(e.tmp / "missing.json")),
     "starts with an assistant message": lambda e: _row({"messages": [{"role": "assistant", "content": "hi"}]}),
     "must be a non-empty list of integer ids": lambda e: _row({"input_ids": [], "loss_mask": []}),
     "a pre-tokenized row needs 'loss_mask'": lambda e: _row({"input_ids": [1, 2]}),
@@ -515,6 +526,16 @@ def _load(path: Path, split: str | None = None) -> None:
     from speccache.data import load_samples
 
     load_samples(str(path), _tokenizer(), 64, split=split)
+
+
+def _mistral_common_row(row: Any) -> None:
+    import mistral_common
+    from transformers.tokenization_mistral_common import MistralCommonBackend
+
+    from speccache.data import tokenize_row
+
+    model = Path(mistral_common.__file__).parent / "data" / "mistral_instruct_tokenizer_240323.model.v3"
+    tokenize_row(row, MistralCommonBackend(str(model)), 64, where="rows.jsonl:1")
 
 
 def _row_with_template(template: str) -> None:

@@ -1,6 +1,7 @@
 """Chat data: rows read from files, rendered with the chat template, masked and tokenized."""
 
 from speccache.data.chat import (
+    SAMPLE_TURN_KEY,
     SKIPPED_ROWS_FILE,
     SOURCE_ROW_KEY,
     DataStats,
@@ -14,22 +15,26 @@ from speccache.data.chat import (
     iter_rows,
     load_samples,
     merge_parts,
+    sample_turn_spec,
     source_row_spec,
     tokenize_row,
     tokenizer_hash,
 )
 from speccache.data.template import (
     REASONING_MODES,
+    TURN_MODES,
     ChatFormat,
     RowFailure,
     chat_format,
     load_chat_tokenizer,
     load_template_file,
+    load_tools_file,
     today,
 )
 
 __all__ = [
     "REASONING_MODES",
+    "SAMPLE_TURN_KEY",
     "SKIPPED_ROWS_FILE",
     "SOURCE_ROW_KEY",
     "ChatFormat",
@@ -47,8 +52,11 @@ __all__ = [
     "iter_rows",
     "load_samples",
     "load_template_file",
+    "load_tools_file",
     "merge_parts",
+    "sample_turn_spec",
     "source_row_spec",
+    "TURN_MODES",
     "today",
     "tokenize_row",
     "tokenizer_hash",

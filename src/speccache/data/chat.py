@@ -8,18 +8,24 @@ Arrow; ``--data-split`` chooses a ``DatasetDict``'s split, and is refused for da
 one of:
 
 * ShareGPT / FastChat: ``{"conversations": [{"from": "human"|"gpt"|"system"|"user"|"assistant", "value": str},
-  ...]}`` (``human`` means ``user`` and ``gpt`` means ``assistant``), with an optional top-level ``"system"``
-  string that becomes the first message;
-* OpenAI: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``;
+  ...]}`` (``human`` means ``user`` and ``gpt`` means ``assistant``; ``function_call``, whose value is the JSON
+  of a call ``{"name", "arguments"}`` or a list of them, is an assistant tool call, and ``observation`` a tool
+  result), with an optional top-level ``"system"`` string that becomes the first message;
+* OpenAI: ``{"messages": [{"role": "system"|"user"|"assistant"|"tool"|"ipython", "content": str}, ...]}``, an
+  assistant's ``tool_calls`` (arguments an object or its JSON text, decoded) and reasoning
+  (``reasoning_content``, ``reasoning`` or ``thinking``), content as a list of text parts (joined by newlines),
+  every other field kept for the template;
+* either chat form with a top-level ``"tools"`` list of tool schemas (or its JSON text);
 * pre-tokenized: ``{"input_ids": [int, ...], "loss_mask": [0|1, ...]}`` of equal, non-zero length.
 
 Other keys (``"id"``...) are ignored. Rows are named in messages as ``file:line`` (1-based line) for JSON
 lines and ``file[index]`` (0-based) otherwise. A sample's ``source_row`` is its 0-based row number: the
 0-based line of a JSON-lines file, the index in a ``.json`` list, a Parquet file or a dataset.
 
-Loss mask: see :mod:`speccache.data.template` (assistant contents plus their end-of-turn tokens, located in
-one rendering of the whole conversation, for any template). Samples are truncated to ``max_length`` tokens
-after masking; a row left without a masked token is skipped and counted, not an error.
+Loss mask: see :mod:`speccache.data.template` (what the model generates in each assistant turn, located in
+one rendering of the whole conversation, for any template; docs/data.md). With ``--expand-turns`` a row gives
+one sample per assistant turn, and each records its turn beside its ``source_row``. Samples are truncated to
+``max_length`` tokens after masking; a row left without a masked token is skipped and counted, not an error.
 
 Skip reasons (``DataStats.skipped``): ``malformed`` (not a valid row), ``template_error`` (the chat template
 rejected it), ``mask_unplaceable`` (its assistant turns cannot be located), ``no_assistant_token`` (nothing
@@ -46,11 +52,21 @@ import numpy as np
 import torch
 import xxhash
 
-from speccache.data.template import ChatFormat, RowFailure, mask_conversation, tokenizer_template
+from speccache.data.template import (
+    REASONING_FIELDS,
+    ChatFormat,
+    MistralCommonFormat,
+    RowFailure,
+    chat_format,
+    conversation_samples,
+    tokenizer_template,
+    tool_list,
+)
 from speccache.errors import DataError
 from speccache.format import KeySpec, file_checksum
 
 __all__ = [
+    "SAMPLE_TURN_KEY",
     "SKIPPED_ROWS_FILE",
     "SOURCE_ROW_KEY",
     "DataStats",
@@ -63,18 +79,29 @@ __all__ = [
     "iter_rows",
     "load_samples",
     "merge_parts",
+    "sample_turn_spec",
     "source_row_spec",
     "tokenize_row",
     "tokenizer_hash",
 ]
 
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-_OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "function_call": "assistant",
+    "observation": "tool",
+    "tool": "tool",
+}
+_OPENAI_ROLES = {r: r for r in ("system", "user", "assistant", "tool", "ipython")}
 _ROW_KEYS = ("conversations", "messages", "input_ids")
 _LINE_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 _DATASET_SUFFIXES = (".parquet",)
 _CHUNK = 4096
 SOURCE_ROW_KEY = "source_row"
+SAMPLE_TURN_KEY = "sample_turn"
 SKIPPED_ROWS_FILE = "skipped_rows.jsonl"
 NO_ASSISTANT = "no_assistant_token"
 BEYOND_MAX_LENGTH = "no_assistant_within_max_length"
@@ -92,11 +119,13 @@ class TokenizedSample:
         input_ids: Token ids, at most ``max_length`` of them.
         loss_mask: 1 where the token is assistant output, else 0; same length as ``input_ids``.
         source_row: 0-based row number of the row in the data file.
+        turn: with --expand-turns, the 0-based assistant turn the sample supervises; else -1.
     """
 
     input_ids: list[int]
     loss_mask: list[int]
     source_row: int
+    turn: int = -1
 
 
 class TokenizedSamples(Sequence[TokenizedSample]):
@@ -106,17 +135,25 @@ class TokenizedSamples(Sequence[TokenizedSample]):
 
     Attributes:
         input_ids: int32 ``[tokens]``; ``loss_mask``: uint8 ``[tokens]``; ``offsets``: int64 ``[n + 1]``;
-        source_rows: int64 ``[n]``.
+        source_rows: int64 ``[n]``; ``turns``: int64 ``[n]`` (-1 unless --expand-turns).
     """
 
-    def __init__(self, input_ids: np.ndarray, loss_mask: np.ndarray, offsets: np.ndarray, source_rows: np.ndarray):
+    def __init__(
+        self,
+        input_ids: np.ndarray,
+        loss_mask: np.ndarray,
+        offsets: np.ndarray,
+        source_rows: np.ndarray,
+        turns: np.ndarray | None = None,
+    ):
         self.input_ids, self.loss_mask, self.offsets, self.source_rows = input_ids, loss_mask, offsets, source_rows
+        self.turns = np.full(len(source_rows), -1, dtype=np.int64) if turns is None else turns
 
     @classmethod
     def empty(cls) -> TokenizedSamples:
         """No samples."""
         z = np.zeros(0, dtype=np.int64)
-        return cls(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64), z)
+        return cls(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64), z, z)
 
     def __len__(self) -> int:
         return len(self.source_rows)
@@ -134,7 +171,7 @@ class TokenizedSamples(Sequence[TokenizedSample]):
         if not 0 <= index < len(self):
             raise IndexError(index)
         ids, mask = self.arrays(index)
-        return TokenizedSample(ids.tolist(), mask.tolist(), int(self.source_rows[index]))
+        return TokenizedSample(ids.tolist(), mask.tolist(), int(self.source_rows[index]), int(self.turns[index]))
 
     @property
     def lengths(self) -> np.ndarray:
@@ -158,14 +195,14 @@ class _SampleBuilder:
     """Appends samples into chunked arrays, so that no per-sample Python object outlives its chunk."""
 
     def __init__(self) -> None:
-        self.chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
-        self.pending: list[tuple[np.ndarray, np.ndarray, int]] = []
+        self.chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        self.pending: list[tuple[np.ndarray, np.ndarray, int, int]] = []
 
     def __len__(self) -> int:
         return sum(len(c[3]) for c in self.chunks) + len(self.pending)
 
-    def add(self, ids: np.ndarray, mask: np.ndarray, source_row: int) -> None:
-        self.pending.append((ids, mask, source_row))
+    def add(self, ids: np.ndarray, mask: np.ndarray, source_row: int, turn: int = -1) -> None:
+        self.pending.append((ids, mask, source_row, turn))
         if len(self.pending) >= _CHUNK:
             self._flush()
 
@@ -176,7 +213,8 @@ class _SampleBuilder:
         mask = np.concatenate([p[1] for p in self.pending]).astype(np.uint8, copy=False)
         lengths = np.fromiter((len(p[0]) for p in self.pending), dtype=np.int64, count=len(self.pending))
         rows = np.fromiter((p[2] for p in self.pending), dtype=np.int64, count=len(self.pending))
-        self.chunks.append((ids, mask, lengths, rows))
+        turns = np.fromiter((p[3] for p in self.pending), dtype=np.int64, count=len(self.pending))
+        self.chunks.append((ids, mask, lengths, rows, turns))
         self.pending = []
 
     def build(self) -> TokenizedSamples:
@@ -191,6 +229,7 @@ class _SampleBuilder:
             np.concatenate([c[1] for c in self.chunks]),
             offsets,
             np.concatenate([c[3] for c in self.chunks]),
+            np.concatenate([c[4] for c in self.chunks]),
         )
 
 
@@ -200,6 +239,11 @@ def source_row_spec() -> KeySpec:
     Every method's schema adds it, and its ``compute_batch`` copies the batch's ``source_row`` column.
     """
     return KeySpec(SOURCE_ROW_KEY, torch.int64, ())
+
+
+def sample_turn_spec() -> KeySpec:
+    """The fixed int64 key under which an --expand-turns cache records each sample's 0-based assistant turn."""
+    return KeySpec(SAMPLE_TURN_KEY, torch.int64, ())
 
 
 @dataclass(frozen=True)
@@ -564,17 +608,16 @@ def _message_list(row: dict, key: str, role_key: str, text_key: str, roles: dict
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise _row_error(f"{where}: {key}[{i}] must be an object with {role_key!r} and {text_key!r}; fix the row")
-        role, text = turn.get(role_key), turn.get(text_key)
+        role = turn.get(role_key)
         if not isinstance(role, str) or role not in roles:
             raise _row_error(
                 f"{where}: {key}[{i}].{role_key} must be one of {', '.join(roles)}, got {role!r}; fix the row"
             )
-        if not isinstance(text, str):
-            raise _row_error(
-                f"{where}: {key}[{i}].{text_key} must be a string, got {type(text).__name__}; "
-                "flatten multi-part content to plain text"
-            )
-        messages.append({"role": roles[role], "content": text})
+        name = f"{where}: {key}[{i}]"
+        if key == "conversations":
+            messages.append(_sharegpt_message(roles[role], turn[text_key] if text_key in turn else None, name, role))
+        else:
+            messages.append(_openai_message(turn, name))
     system = row.get("system")
     if key == "conversations" and system is not None and system != "":
         if not isinstance(system, str):
@@ -585,6 +628,85 @@ def _message_list(row: dict, key: str, role_key: str, text_key: str, roles: dict
     if first is not None and first["role"] == "assistant":
         raise _row_error(f"{where}: the conversation starts with an assistant message; add the prompt before it")
     return messages
+
+
+def _sharegpt_message(role: str, value: Any, name: str, given: str) -> dict:
+    if given != "function_call":
+        return {"role": role, "content": _text(value, f"{name}.value")}
+    # The call (or a list of parallel calls) is a JSON string {"name", "arguments"}, as function-calling sets store it.
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise _row_error(
+                f'{name}.value: a function_call must be a JSON object {{"name", "arguments"}} or a list of '
+                f"them ({e.msg}); fix the row"
+            ) from e
+    return {"role": "assistant", "content": "", "tool_calls": _tool_calls(value, f"{name}.value")}
+
+
+def _openai_message(turn: dict, name: str) -> dict:
+    # Every field is kept (tool_call_id, name, reasoning_content...): templates read them.
+    message = dict(turn)
+    if turn["role"] == "assistant" and turn.get("tool_calls") is not None:
+        message["tool_calls"] = _tool_calls(turn["tool_calls"], f"{name}.tool_calls")
+    if not (turn.get("content") is None and message.get("tool_calls")):
+        message["content"] = _text(turn.get("content"), f"{name}.content")
+    for key in REASONING_FIELDS:
+        if turn.get(key) is not None and not isinstance(turn[key], str):
+            raise _row_error(f"{name}.{key} must be a string, got {type(turn[key]).__name__}; fix the row")
+    return message
+
+
+def _text(content: Any, name: str) -> str:
+    """A message's text: a string, or OpenAI's list of text parts joined by newlines (as serving engines do)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _row_error(f"{name} must be a string or a list of text parts, got {type(content).__name__}; fix the row")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind == "text" and not isinstance(part.get("text"), str):
+            raise _row_error(f"{name}[{j}] is a text part without a string 'text'; fix the row")
+        if kind != "text":
+            raise _row_error(
+                f'{name}[{j}] is a {kind!r} part; only text parts ({{"type": "text", "text": str}}) can be '
+                "cached: drop the row, or its other parts"
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _tool_calls(calls: Any, name: str) -> list[dict]:
+    """OpenAI tool calls, each ``{"type": "function", "function": {"name", "arguments": object}}``.
+
+    Arguments given as a JSON string are decoded, as serving engines do before they render a template.
+    """
+    calls = calls if isinstance(calls, list) else [calls]
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise _row_error(
+                f'{name}[{j}] must be a tool call {{"type": "function", "function": {{"name": str, '
+                '"arguments": object or JSON string}}; fix the row'
+            )
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as e:
+                raise _row_error(
+                    f"{name}[{j}]: the arguments string is not JSON ({e.msg}); give an object or its JSON text"
+                ) from e
+        if not isinstance(arguments, dict):
+            raise _row_error(
+                f"{name}[{j}]: the arguments must be an object, got {type(arguments).__name__}; fix the row"
+            )
+        function = {**function, "arguments": arguments}
+        out.append({**call, "function": function} if "function" in call else {"type": "function", "function": function})
+    return out
 
 
 def _pretokenized(row: dict, tokenizer: Any, where: str) -> tuple[np.ndarray, np.ndarray]:
@@ -609,8 +731,11 @@ def chat_template_of(tokenizer: Any) -> str | None:
     return tokenizer_template(tokenizer)
 
 
-def _encode(row: Any, tokenizer: Any, fmt: ChatFormat | None, where: str) -> tuple[np.ndarray, np.ndarray] | None:
-    """Full-length ``(input_ids, loss_mask)`` of a row, or None for a conversation with no assistant message."""
+_Sample = tuple[int, np.ndarray, np.ndarray]  # (turn, input_ids, loss_mask); turn -1: the whole row
+
+
+def _encode(row: Any, tokenizer: Any, fmt: ChatFormat | MistralCommonFormat | None, where: str) -> list[_Sample] | None:
+    """Full-length samples of a row (one, or one per assistant turn), or None when it has no assistant message."""
     if not isinstance(row, dict):
         raise _not_an_object(where, row)
     kinds = [key for key in _ROW_KEYS if key in row]
@@ -621,11 +746,12 @@ def _encode(row: Any, tokenizer: Any, fmt: ChatFormat | None, where: str) -> tup
             f"'input_ids' with 'loss_mask' (pre-tokenized); found {found}; fix the row"
         )
     if kinds[0] == "input_ids":
-        return _pretokenized(row, tokenizer, where)
+        return [(-1, *_pretokenized(row, tokenizer, where))]
     if kinds[0] == "conversations":
         messages = _message_list(row, "conversations", "from", "value", _SHAREGPT_ROLES, where)
     else:
         messages = _message_list(row, "messages", "role", "content", _OPENAI_ROLES, where)
+    tools = None if row.get("tools") is None else tool_list(row["tools"], f"{where}: 'tools'")
     if not any(m["role"] == "assistant" for m in messages):
         return None
     if fmt is None:
@@ -633,18 +759,25 @@ def _encode(row: Any, tokenizer: Any, fmt: ChatFormat | None, where: str) -> tup
             f"{where}: chat rows need a tokenizer with a chat template, and this tokenizer has none; "
             "pass --chat-template FILE, use a target whose tokenizer defines chat_template, or pre-tokenized rows"
         )
-    return mask_conversation(tokenizer, fmt, messages, where)
+    return conversation_samples(tokenizer, fmt, messages, where, tools)
 
 
-def _default_format(tokenizer: Any) -> ChatFormat | None:
-    template = chat_template_of(tokenizer)
-    return None if template is None else ChatFormat.for_tokenizer(tokenizer, template)
+def _default_format(tokenizer: Any) -> ChatFormat | MistralCommonFormat | None:
+    return chat_format(tokenizer)
 
 
 def tokenize_row(
-    row: dict, tokenizer: Any, max_length: int, *, where: str, source_row: int = -1, fmt: ChatFormat | None = None
+    row: dict,
+    tokenizer: Any,
+    max_length: int,
+    *,
+    where: str,
+    source_row: int = -1,
+    fmt: ChatFormat | MistralCommonFormat | None = None,
 ) -> TokenizedSample | None:
     """Tokenize one row and build its assistant-only loss mask (see the module docstring).
+
+    With ``fmt.expand_turns`` the row gives one sample per assistant turn; this returns the first.
 
     Args:
         row: A ShareGPT, OpenAI or pre-tokenized row object.
@@ -665,9 +798,11 @@ def tokenize_row(
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
     encoded = _encode(row, tokenizer, fmt or _default_format(tokenizer), where)
-    if encoded is None or not encoded[1][:max_length].any():
+    kept = [(turn, ids, mask) for turn, ids, mask in encoded or () if mask[:max_length].any()]
+    if not kept:
         return None
-    return TokenizedSample(encoded[0][:max_length].tolist(), encoded[1][:max_length].tolist(), source_row)
+    turn, ids, mask = kept[0]
+    return TokenizedSample(ids[:max_length].tolist(), mask[:max_length].tolist(), source_row, turn)
 
 
 def load_samples(
@@ -677,7 +812,7 @@ def load_samples(
     *,
     limit: int | None = None,
     skip_bad_rows: bool = False,
-    fmt: ChatFormat | None = None,
+    fmt: ChatFormat | MistralCommonFormat | None = None,
     num_proc: int = 1,
     part: tuple[int, int] = (0, 1),
     split: str | None = None,
@@ -743,7 +878,7 @@ def merge_parts(parts: Sequence[tuple[TokenizedSamples, DataStats]]) -> tuple[To
     ]
     for row, k, i in heapq.merge(*rows):
         ids, mask = parts[k][0].arrays(i)
-        builder.add(ids, mask, row)
+        builder.add(ids, mask, row, int(parts[k][0].turns[i]))
     for _, part_stats in parts:
         stats.rows_read += part_stats.rows_read
         stats.rows_truncated += part_stats.rows_truncated
@@ -753,27 +888,27 @@ def merge_parts(parts: Sequence[tuple[TokenizedSamples, DataStats]]) -> tuple[To
 
 
 def _keep(
-    builder: _SampleBuilder,
-    stats: DataStats,
-    row_no: int,
-    encoded: tuple[np.ndarray, np.ndarray] | None,
-    max_length: int,
+    builder: _SampleBuilder, stats: DataStats, row_no: int, encoded: list[_Sample] | None, max_length: int
 ) -> bool:
-    """Add one encoded row to ``builder`` (truncated), or count why it is skipped; returns whether it was added."""
-    if encoded is None or not encoded[1].any():
+    """Add one row's samples to ``builder`` (truncated), or count why it is skipped; returns whether any was added.
+
+    With --expand-turns, a turn with nothing to train on within ``max_length`` gives no sample.
+    """
+    if not encoded or not any(mask.any() for _, _, mask in encoded):
         stats.skip(row_no, NO_ASSISTANT, "the row has no assistant token to train on")
         return False
-    ids, mask = encoded
-    if not mask[:max_length].any():
+    kept = [(turn, ids, mask) for turn, ids, mask in encoded if mask[:max_length].any()]
+    if not kept:
         stats.skip(row_no, BEYOND_MAX_LENGTH, f"its first assistant token lies beyond --max-length {max_length}")
         return False
-    if len(ids) > max_length:
-        stats.rows_truncated += 1
-    builder.add(ids[:max_length], mask[:max_length], row_no)
+    for turn, ids, mask in kept:
+        if len(ids) > max_length:
+            stats.rows_truncated += 1
+        builder.add(ids[:max_length], mask[:max_length], row_no, turn)
     return True
 
 
-_Encoded = tuple[int, "tuple[np.ndarray, np.ndarray] | None", "DataError | None"]
+_Encoded = tuple[int, "list[_Sample] | None", "DataError | None"]
 _WORKER: dict[str, Any] = {}
 _ROWS_PER_TASK = 64
 
@@ -791,7 +926,7 @@ def _encode_rows(rows: list[tuple[int, str, Any]]) -> list[_Encoded]:
     return out
 
 
-def _init_worker(tokenizer: Any, fmt: ChatFormat | None) -> None:
+def _init_worker(tokenizer: Any, fmt: ChatFormat | MistralCommonFormat | None) -> None:
     _WORKER.update(tokenizer=tokenizer, fmt=fmt)
 
 
@@ -806,7 +941,7 @@ def _init_pool_worker(tokenizer: Any, fmt: ChatFormat | None) -> None:
 class _Encoder:
     """Encodes rows in order, in ``num_proc`` forked worker processes when ``num_proc > 1``."""
 
-    def __init__(self, tokenizer: Any, fmt: ChatFormat | None, num_proc: int) -> None:
+    def __init__(self, tokenizer: Any, fmt: ChatFormat | MistralCommonFormat | None, num_proc: int) -> None:
         self.tokenizer, self.fmt, self.num_proc = tokenizer, fmt, num_proc
         self.pool: Any = None
         self.in_flight: collections.deque[Any] = collections.deque()

@@ -1,31 +1,40 @@
 """Chat templates: render a conversation once and locate every assistant turn in it, for any template.
 
-The loss mask of a chat row is 1 on the tokens the model generates in each assistant turn: the turn's
-content (and its rendered reasoning with ``reasoning="keep"``) plus the end-of-turn token(s) the template
-writes right after it, never system or user text or role headers. A token belongs to a turn when its
-first character does (so a token that merges a header's newline with the content's is not trained on).
+The rendering is exactly ``tokenizer.apply_chat_template(messages, tools=tools)``'s: the same messages
+(None fields dropped, reasoning under each name templates read), the tool schemas, the tokenizer's special
+tokens, and nothing else a serving engine would not pass; only ``strftime_now`` is pinned for a run.
+
+The loss mask of a chat row is 1 on the tokens the model generates in each assistant turn: everything the
+template writes for the turn after the generation prompt (``add_generation_prompt=True``) ends, so
+``<think>`` where the prompt lacks it, the reasoning (with ``reasoning="keep"``), the content, the tool calls
+as the template renders them, and the end-of-turn token(s); never tool results, tool schemas, system or
+user text, or role headers. A token is supervised when it starts in that text or shares a non-whitespace
+character with it (so SentencePiece's ``▁The``, whose space the template writes, is; a token that merges a
+header's newline with the content's is not).
 
 The turns are found without assuming the template is prefix-stable:
 
 1. A template with ``{% generation %}`` markers gives the assistant character spans directly.
-2. Otherwise the conversation is rendered twice: once as is, once with every assistant content replaced
-   by unique sentinel strings (``<think>R</think>C`` when the content carries reasoning, so templates
-   that split reasoning off treat both renders alike). The text between sentinels is template
-   scaffolding; locating each scaffolding piece in order in the real rendering leaves, in the gaps, the
-   exact rendered text of each assistant content, whatever the template did to it (stripped, reasoning
-   moved or dropped). The end-of-turn is the special token that starts the scaffolding after the content
-   (after optional whitespace).
+2. Otherwise the conversation is rendered once more with every assistant content, reasoning and tool-call
+   name replaced by unique sentinel strings (``<think>R</think>C`` when the content carries reasoning).
+   The text between sentinels is template scaffolding; locating each piece in order in the real rendering
+   leaves, in the gaps, the exact rendered text of each, whatever the template did to it (stripped,
+   reasoning moved or dropped). A turn starts where the rendering leaves its generation prompt (a render
+   of the conversation before it with the prompt, and without where that is not a prefix of the whole;
+   at its first gap where the conversation before it renders otherwise) and ends with the special token
+   that closes its content (after optional whitespace) or its last tool call.
 
-Character spans become token masks through the fast tokenizer's offsets. Either way each conversation
-costs at most two renders and one tokenization, whatever its number of turns.
+Character spans become token masks through the fast tokenizer's offsets.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -33,20 +42,30 @@ import numpy as np
 from speccache.errors import DataError
 
 __all__ = [
+    "REASONING_FIELDS",
     "REASONING_MODES",
+    "TURN_MODES",
     "ChatFormat",
+    "MistralCommonFormat",
     "RowFailure",
     "chat_format",
+    "conversation_samples",
     "load_chat_tokenizer",
     "load_template_file",
+    "load_tools_file",
     "mask_conversation",
     "today",
     "tokenizer_template",
+    "tool_list",
 ]
 
 REASONING_MODES = ("keep", "mask")
+TURN_MODES = ("all", "last")
+REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-_DATE_USE = re.compile(r"strftime_now|date_string")
+_DATE_USE = re.compile(r"strftime_now")
+# What str.isspace() calls whitespace, as code points, so a whole rendering is classified at once.
+_WHITESPACE = np.array([c for c in range(0x3001) if chr(c).isspace()], dtype=np.uint32)
 _THINK = re.compile(r"^\s*<think>(.*?)</think>(.*)$", re.DOTALL)
 _DATE_FORMAT = "%Y-%m-%d"
 
@@ -77,6 +96,48 @@ def load_template_file(path: str) -> str:
         raise DataError(f"--chat-template {path}: cannot read the template ({e}); pass a UTF-8 Jinja file") from e
 
 
+def tool_list(value: Any, what: str) -> list[dict]:
+    """``value`` as a list of tool schema objects; a JSON string of one is decoded (as some datasets store it).
+
+    Raises:
+        RowFailure: it is neither (the message starts with ``what``).
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise RowFailure(f"{what} is a string but not JSON ({e.msg}); give a list of tool schemas") from e
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise RowFailure(
+            f'{what} must be a list of tool schema objects ({{"type": "function", "function": {{...}}}}), '
+            f"got {type(value).__name__}; fix it"
+        )
+    return value
+
+
+def load_tools_file(path: str) -> list[dict]:
+    """Read a ``--tools`` file: a JSON list of tool schemas, rendered for every row that has none.
+
+    Raises:
+        DataError: the file cannot be read or is not such a list.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"--tools {path}: cannot read the file ({e}); pass a UTF-8 JSON file") from e
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"--tools {path}:{e.lineno}: invalid JSON ({e.msg}); the file holds one JSON list of tool schemas"
+        ) from e
+    try:
+        return tool_list(value, f"--tools {path}")
+    except RowFailure as e:
+        raise DataError(str(e)) from None
+
+
 @dataclass(frozen=True)
 class ChatFormat:
     """How chat rows become text and masks.
@@ -85,9 +146,12 @@ class ChatFormat:
         template: the Jinja chat template.
         reasoning: ``keep`` (rendered reasoning is trained on) or ``mask`` (in the input, not in the loss).
         system_prompt: added as the first message of rows that have no system message.
-        date: ``YYYY-MM-DD`` the template sees as today (``strftime_now``, ``date_string``).
+        date: ``YYYY-MM-DD`` the template sees as today (``strftime_now``).
         special_tokens: the tokenizer's special token strings (``bos_token``... variables of the template).
         end_tokens: special token strings that can close a turn, longest first.
+        tools: the tool schemas of rows that carry none (``--tools FILE``).
+        turns: ``all`` assistant turns supervised, or only the ``last``.
+        expand_turns: one sample per assistant turn (see :func:`conversation_samples`).
     """
 
     template: str
@@ -96,6 +160,9 @@ class ChatFormat:
     date: str
     special_tokens: Mapping[str, Any]
     end_tokens: tuple[str, ...]
+    tools: list[dict] | None = None
+    turns: str = "all"
+    expand_turns: bool = False
 
     @classmethod
     def for_tokenizer(
@@ -105,14 +172,19 @@ class ChatFormat:
         reasoning: str = "keep",
         system_prompt: str | None = None,
         date: str | None = None,
+        tools: list[dict] | None = None,
+        turns: str = "all",
+        expand_turns: bool = False,
     ) -> ChatFormat:
         """Build the format of a fast tokenizer with ``template``.
 
         Raises:
-            ValueError: ``reasoning`` is not one of :data:`REASONING_MODES`.
+            ValueError: ``reasoning`` is not one of :data:`REASONING_MODES`, or ``turns`` of :data:`TURN_MODES`.
         """
         if reasoning not in REASONING_MODES:
             raise ValueError(f"--reasoning {reasoning!r} is unknown; choose one of {', '.join(REASONING_MODES)}")
+        if turns not in TURN_MODES:
+            raise ValueError(f"--turns {turns!r} is unknown; choose one of {', '.join(TURN_MODES)}")
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         specials = {str(t) for t in tokenizer.all_special_tokens}
         specials |= {str(t) for t in added.values() if getattr(t, "special", False)}
@@ -123,6 +195,9 @@ class ChatFormat:
             date=date or today(),
             special_tokens=dict(tokenizer.special_tokens_map),
             end_tokens=tuple(sorted((s for s in specials if s), key=len, reverse=True)),
+            tools=tools,
+            turns=turns,
+            expand_turns=expand_turns,
         )
 
     @property
@@ -135,27 +210,49 @@ class ChatFormat:
         """Whether the template marks assistant output with ``{% generation %}``."""
         return bool(_GENERATION_TAG.search(self.template))
 
+    @property
+    def has_generation_prompt(self) -> bool:
+        """Whether the template writes a generation prompt (reads ``add_generation_prompt``)."""
+        return "add_generation_prompt" in self.template
+
+    @property
+    def end_pattern(self) -> re.Pattern[str]:
+        """A regex matching any of :attr:`end_tokens` (longest first)."""
+        return _alternation(self.end_tokens)
+
     def _variables(self) -> dict[str, Any]:
         pinned = datetime.strptime(self.date, _DATE_FORMAT)
         strftime_now: Callable[[str], str] = pinned.strftime
-        return {**self.special_tokens, "strftime_now": strftime_now, "date_string": pinned.strftime("%d %b %Y")}
+        return {**self.special_tokens, "strftime_now": strftime_now}
 
-    def render(self, messages: list[dict], where: str, track: bool = False) -> tuple[str, list[tuple[int, int]]]:
+    def render(
+        self,
+        messages: list[dict],
+        where: str,
+        tools: list[dict] | None = None,
+        track: bool = False,
+        generation_prompt: bool = False,
+    ) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and, with ``track``, its ``{% generation %}`` character spans.
 
         Raises:
             RowFailure: the template rejected the conversation (reason ``template_error``).
         """
         from jinja2 import TemplateError
-        from transformers.utils.chat_template_utils import _compile_jinja_template, _render_with_assistant_indices
+        from transformers.utils import chat_template_utils as utils
 
-        compiled = _compile_jinja_template(self.template)
+        compiled = utils._compile_jinja_template(self.template)
+        # As apply_chat_template: None fields dropped, reasoning copied under the names templates read.
+        chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        chat = getattr(utils, "_alias_reasoning_fields", lambda c: c)(chat)
         try:
             if track:
-                text, spans = _render_with_assistant_indices(compiled, messages, None, None, False, **self._variables())
+                text, spans = utils._render_with_assistant_indices(
+                    compiled, chat, tools, None, generation_prompt, **self._variables()
+                )
                 return text, [(int(a), int(b)) for a, b in spans]
             return compiled.render(
-                messages=messages, tools=None, documents=None, add_generation_prompt=False, **self._variables()
+                messages=chat, tools=tools, documents=None, add_generation_prompt=generation_prompt, **self._variables()
             ), []
         except (TemplateError, TypeError, ValueError) as e:
             raise RowFailure(
@@ -171,6 +268,92 @@ class ChatFormat:
         return [{"role": "system", "content": self.system_prompt}, *messages]
 
 
+@dataclass(frozen=True)
+class MistralCommonFormat:
+    """How chat rows become tokens and masks for a tokenizer with no Jinja template (``MistralCommonBackend``).
+
+    Rows are encoded by ``mistral-common``'s own chat requests (fine-tuning validation, which takes a final
+    assistant message), as Mistral's serving stack encodes them; each assistant message's tokens, as its
+    encoder writes them, are located in the whole. Attributes as :class:`ChatFormat`'s.
+    """
+
+    tokenizer_path: str
+    reasoning: str
+    system_prompt: str | None
+    date: str
+    tools: list[dict] | None = None
+    turns: str = "all"
+    expand_turns: bool = False
+    template: str = ""  # no Jinja template: recorded as the hash of nothing
+    uses_date = False
+
+    def with_system_prompt(self, messages: list[dict]) -> list[dict]:
+        """``messages`` with :attr:`system_prompt` prepended when they have no system message."""
+        return ChatFormat.with_system_prompt(self, messages)  # type: ignore[arg-type]
+
+    def encode(self, messages: list[dict], where: str, tools: Any) -> tuple[list[int], list[list[int]]]:
+        """The conversation's tokens and, in order, each assistant message's own tokens.
+
+        Raises:
+            RowFailure: mistral-common refuses the conversation (reason ``template_error``).
+        """
+        from mistral_common.protocol.instruct.request import ChatCompletionRequest
+
+        encoder = _mistral_encoder(self.tokenizer_path)
+        instruct = encoder.instruct_tokenizer
+        assistant: list[list[int]] = []
+        encode_assistant = instruct.encode_assistant_message
+
+        def recording(*args: Any, **kwargs: Any) -> list[int]:
+            tokens = encode_assistant(*args, **kwargs)
+            assistant.append(list(tokens))
+            return tokens
+
+        instruct.encode_assistant_message = recording  # an instance attribute: this encoder only, this call
+        try:
+            request = ChatCompletionRequest.from_openai(messages=messages, tools=tools or None)
+            tokens = list(encoder.encode_chat_completion(request).tokens)
+        except Exception as e:  # mistral-common's validation raises its own exception types and pydantic's
+            raise RowFailure(
+                f"{where}: mistral-common rejected the conversation ({type(e).__name__}: {e}); fix the row's "
+                "roles or order, or skip such rows with --skip-bad-rows",
+                "template_error",
+            ) from e
+        finally:
+            del instruct.encode_assistant_message
+        return tokens, assistant
+
+
+@lru_cache(maxsize=4)
+def _mistral_encoder(path: str) -> Any:
+    from mistral_common.protocol.instruct.validator import ValidationMode
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    return MistralTokenizer.from_file(path, mode=ValidationMode.finetuning)
+
+
+def _mistral_common_mask(
+    fmt: MistralCommonFormat, messages: list[dict], where: str, tools: Any, turns: str
+) -> tuple[np.ndarray, np.ndarray]:
+    tokens, assistant = fmt.encode(messages, where, tools)
+    mask = np.zeros(len(tokens), dtype=np.uint8)
+    spans, pos = [], 0
+    for piece in assistant:
+        at = next((i for i in range(pos, len(tokens) - len(piece) + 1) if tokens[i : i + len(piece)] == piece), -1)
+        if at < 0:
+            raise _unplaceable(where, "an assistant message's tokens are not in the encoded conversation")
+        spans.append((at, at + len(piece)))
+        pos = at + len(piece)
+    for a, b in spans[-1:] if turns == "last" else spans:
+        mask[a:b] = 1
+    return np.asarray(tokens, dtype=np.int32), mask
+
+
+@lru_cache(maxsize=16)
+def _alternation(tokens: tuple[str, ...]) -> re.Pattern[str]:
+    return re.compile("|".join(re.escape(t) for t in tokens) or r"(?!)")
+
+
 def tokenizer_template(tokenizer: Any) -> str | None:
     try:
         return tokenizer.get_chat_template()
@@ -178,15 +361,17 @@ def tokenizer_template(tokenizer: Any) -> str | None:
         return None
 
 
-def load_chat_tokenizer(model: str) -> Any:
+def load_chat_tokenizer(model: str, template_file: str | None = None) -> Any:
     """Load ``model``'s tokenizer as a fast tokenizer, the kind whose offsets the masks need.
 
     ``AutoTokenizer`` may give a backend without ``get_chat_template`` or offsets (``MistralCommonBackend``
-    when ``mistral-common`` is installed and the folder has ``tekken.json``); then the folder's
-    ``tokenizer.json`` is loaded as a ``PreTrainedTokenizerFast`` instead.
+    when ``mistral-common`` is installed and the folder has ``tekken.json``); then the folder's tokenizer is
+    loaded as a ``PreTrainedTokenizerFast`` instead, where it has a chat template (or ``template_file``, the
+    ``--chat-template``, gives one). Otherwise a ``MistralCommonBackend`` is kept: its rows are encoded by
+    mistral-common itself (:class:`MistralCommonFormat`).
 
     Raises:
-        DataError: no fast tokenizer can be loaded from the folder.
+        DataError: neither a fast tokenizer nor a ``MistralCommonBackend`` can be loaded from the folder.
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -194,13 +379,20 @@ def load_chat_tokenizer(model: str) -> Any:
     if getattr(tokenizer, "is_fast", False) and hasattr(tokenizer, "backend_tokenizer"):
         return tokenizer
     try:
-        return PreTrainedTokenizerFast.from_pretrained(model)
+        fast = PreTrainedTokenizerFast.from_pretrained(model)
     except (OSError, ValueError) as e:
-        raise DataError(
-            f"--model {model}: the tokenizer loads as {type(tokenizer).__name__}, which gives neither a chat "
-            "template nor token offsets, and the folder has no loadable tokenizer.json; add the model's "
-            f"tokenizer.json (a Hugging Face fast tokenizer) to the folder ({e})"
-        ) from e
+        fast, error = None, e
+    if fast is not None and (template_file or tokenizer_template(fast) is not None):
+        return fast
+    if _mistral_common_path(tokenizer) is not None:
+        return tokenizer
+    if fast is not None:
+        return fast
+    raise DataError(
+        f"--model {model}: the tokenizer loads as {type(tokenizer).__name__}, which gives neither a chat "
+        "template nor token offsets, and the folder has no loadable tokenizer.json; add the model's "
+        f"tokenizer.json (a Hugging Face fast tokenizer) to the folder ({error})"
+    ) from error
 
 
 def chat_format(
@@ -209,18 +401,25 @@ def chat_format(
     reasoning: str = "keep",
     system_prompt: str | None = None,
     date: str | None = None,
+    tools_file: str | None = None,
+    turns: str = "all",
+    expand_turns: bool = False,
 ) -> ChatFormat | None:
     """The chat format of a run: ``--chat-template`` or the tokenizer's template; None when there is none.
 
     Raises:
-        DataError: the template file cannot be read, or the template is not valid Jinja.
-        ValueError: unknown ``reasoning``.
+        DataError: the template or tools file cannot be read, or the template is not valid Jinja.
+        ValueError: unknown ``reasoning`` or ``turns``.
     """
     template = load_template_file(template_file) if template_file else tokenizer_template(tokenizer)
+    tools = load_tools_file(tools_file) if tools_file else None
     if template is None:
-        return None
+        path = _mistral_common_path(tokenizer)
+        if path is None:
+            return None
+        return MistralCommonFormat(path, reasoning, system_prompt, date or today(), tools, turns, expand_turns)
     _check_syntax(template, f"--chat-template {template_file}" if template_file else "the tokenizer's chat template")
-    return ChatFormat.for_tokenizer(tokenizer, template, reasoning, system_prompt, date)
+    return ChatFormat.for_tokenizer(tokenizer, template, reasoning, system_prompt, date, tools, turns, expand_turns)
 
 
 def _check_syntax(template: str, source: str) -> None:
@@ -234,56 +433,99 @@ def _check_syntax(template: str, source: str) -> None:
         raise DataError(f"{source}: line {e.lineno}: not a valid Jinja template ({e.message}); fix the template") from e
 
 
-def _split_reasoning(content: str) -> tuple[str | None, str]:
-    found = _THINK.match(content)
+def _mistral_common_path(tokenizer: Any) -> str | None:
+    """The tokenizer file of a ``MistralCommonBackend`` (rows are then encoded by mistral-common), else None."""
+    path = getattr(tokenizer, "_tokenizer_path", None)
+    inner = getattr(tokenizer, "__dict__", {}).get("tokenizer")
+    return str(path) if path is not None and hasattr(inner, "encode_chat_completion") else None
+
+
+def _split_reasoning(content: Any) -> tuple[str | None, Any]:
+    found = _THINK.match(content) if isinstance(content, str) else None
     if found is None or not found.group(1).strip():
         return None, content
     return found.group(1), found.group(2)
 
 
-def _sentinel_messages(messages: list[dict]) -> tuple[list[dict], list[tuple[str, int, str]], str]:
-    """Assistant contents replaced by sentinels; returns the messages, ``(sentinel, turn, part)`` and the pattern."""
-    taken = "".join(m["content"] for m in messages)
+def _reasoning_field(message: Mapping[str, Any]) -> str | None:
+    """The field that carries an assistant message's reasoning (``reasoning_content``, ...), or None."""
+    return next((k for k in REASONING_FIELDS if isinstance(message.get(k), str)), None)
+
+
+def _has_reasoning(message: Mapping[str, Any]) -> bool:
+    field = _reasoning_field(message)
+    return bool(message[field].strip()) if field else _split_reasoning(message.get("content"))[0] is not None
+
+
+@dataclass
+class _Gap:
+    """Where one sentinel's real text lies in the rendering: ``[start, end)``, then scaffolding up to ``after``."""
+
+    kind: str  # A (answer), R (reasoning) or F (a tool call's function name)
+    start: int
+    end: int
+    after: int
+
+
+def _sentinel_messages(messages: list[dict]) -> tuple[list[dict], dict[str, tuple[int, str]], str]:
+    """Assistant texts replaced by sentinels; returns the messages, ``{sentinel: (turn, kind)}`` and the pattern."""
+    taken = json.dumps(messages, ensure_ascii=False)
     tag = "SPCQ"
     while tag in taken:
         tag += "Q"
-    out, marks = [], []
+    out: list[dict] = []
+    marks: dict[str, tuple[int, str]] = {}
+
+    def mark(turn: int, kind: str, n: int = 0) -> str:
+        sentinel = f"{tag}{turn}{kind}{n}{tag}"
+        marks[sentinel] = (turn, kind)
+        return sentinel
+
     for turn, message in enumerate(messages):
         if message["role"] != "assistant":
             out.append(message)
             continue
-        reasoning, _ = _split_reasoning(message["content"])
-        answer = f"{tag}{turn}A{tag}"
-        marks.append((answer, turn, "answer"))
-        if reasoning is None:
-            content = answer
-        else:
-            thought = f"{tag}{turn}R{tag}"
-            marks.append((thought, turn, "reasoning"))
-            content = f"<think>{thought}</think>{answer}"
-        out.append({**message, "content": content})
-    return out, marks, f"{tag}\\d+[AR]{tag}"
+        shadow = dict(message)
+        field = _reasoning_field(message)
+        content = message.get("content")
+        inline, _ = _split_reasoning(content) if field is None else (None, content)
+        if field is not None and message[field].strip():
+            thought = mark(turn, "R")
+            shadow.update({k: thought for k in REASONING_FIELDS if isinstance(message.get(k), str)})
+        # An empty content beside tool calls stays empty: templates test it (``if message.content``).
+        if isinstance(content, str) and (content or not message.get("tool_calls")):
+            answer = mark(turn, "A")
+            shadow["content"] = answer if inline is None else f"<think>{mark(turn, 'R')}</think>{answer}"
+        if message.get("tool_calls"):
+            calls = []
+            for n, call in enumerate(message["tool_calls"]):
+                function = dict(call["function"])
+                function["name"] = mark(turn, "F", n)
+                calls.append({**call, "function": function})
+            shadow["tool_calls"] = calls
+        out.append(shadow)
+    return out, marks, f"{tag}\\d+[ARF]\\d+{tag}"
 
 
-def _sentinel_spans(fmt: ChatFormat, messages: list[dict], text: str, where: str) -> list[tuple[int, int]]:
-    """Character spans of ``text`` (the real rendering) the loss covers, found by the sentinel rendering."""
+def _locate(fmt: ChatFormat, messages: list[dict], text: str, where: str, tools: Any) -> dict[int, list[_Gap]]:
+    """Each assistant turn's sentinel gaps in ``text`` (the real rendering), found by the sentinel rendering."""
     shadow_messages, marks, pattern = _sentinel_messages(messages)
-    shadow, _ = fmt.render(shadow_messages, where)
+    shadow, _ = fmt.render(shadow_messages, where, tools)
     parts = re.split(f"({pattern})", shadow)
-    # parts alternates scaffolding, sentinel, scaffolding, ...; each sentinel must appear at most once.
+    # parts alternates scaffolding, sentinel, scaffolding, ...; an answer or reasoning appears at most once
+    # (a function name may recur, as in gpt-oss's header of the tool's result; its first place is the call).
     found = parts[1::2]
-    if len(found) != len(set(found)):
+    once = [s for s in found if marks[s][1] != "F"]
+    if len(once) != len(set(once)):
         raise _unplaceable(where, "the template renders an assistant message more than once")
-    part_of = {s: part for s, _, part in marks}
-    spans: list[tuple[int, int]] = []
-    pos = 0
     if not text.startswith(parts[0]):
         raise _unplaceable(where, "the rendering does not start like the sentinel rendering")
+    turns: dict[int, list[_Gap]] = {}
+    seen: set[str] = set()
     pos = len(parts[0])
     for i, sentinel in enumerate(found):
         after = parts[2 * i + 2]
-        last = 2 * i + 3 >= len(parts)
-        if last:
+        if 2 * i + 3 >= len(parts):
             end = len(text) - len(after)
             if end < pos or not text.endswith(after):
                 raise _unplaceable(where, "the rendering does not end like the sentinel rendering")
@@ -293,14 +535,68 @@ def _sentinel_spans(fmt: ChatFormat, messages: list[dict], text: str, where: str
                 raise _unplaceable(where, "template text around an assistant message changes with its content")
         else:
             raise _unplaceable(where, "two assistant parts are rendered with nothing between them")
-        kind = part_of[sentinel]
-        if kind == "reasoning":
-            if fmt.reasoning == "keep":
-                # The text between the reasoning and the answer (closing tag...) is generated too.
-                spans.append((pos, end + len(after)))
-        else:
-            spans.append((pos, end + _end_of_turn(after, fmt.end_tokens)))
+        if sentinel not in seen:
+            seen.add(sentinel)
+            turn, kind = marks[sentinel]
+            turns.setdefault(turn, []).append(_Gap(kind, pos, end, end + len(after)))
         pos = end + len(after)
+    return turns
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _turn_start(fmt: ChatFormat, messages: list[dict], turn: int, text: str, where: str, tools: Any) -> int | None:
+    """Where turn ``turn``'s generated text starts: where the rendering leaves the generation prompt.
+
+    Text the template writes for the turn but the generation prompt lacks (``<think>``, a harmony channel
+    header) is generated by the model; a template without a generation prompt (Mistral's) prompts with the
+    bare conversation. None when the template renders the conversation so far differently when it ends
+    there (then the turn's first located text starts it).
+    """
+    try:
+        prompt, _ = fmt.render(messages[:turn], where, tools, generation_prompt=fmt.has_generation_prompt)
+        if text.startswith(prompt):  # the common case: no second render needed
+            return len(prompt)
+        context = fmt.render(messages[:turn], where, tools)[0] if fmt.has_generation_prompt else prompt
+    except RowFailure:
+        return None
+    # The prompt leaves the bare context where its header begins (a template may end the bare context with
+    # an eos instead); the whole rendering must agree with the prompt up to there at least.
+    header = _common_prefix(prompt, context)
+    start = _common_prefix(prompt, text)
+    return start if start >= header else None
+
+
+def _sentinel_spans(
+    fmt: ChatFormat, messages: list[dict], text: str, where: str, tools: Any, turns: str
+) -> list[tuple[int, int]]:
+    """Character spans of ``text`` (the real rendering) the loss covers."""
+    located = _locate(fmt, messages, text, where, tools)
+    if turns == "last":
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        located = {last: located[last]} if last in located else {}
+    spans: list[tuple[int, int]] = []
+    for turn, gaps in sorted(located.items()):
+        gaps.sort(key=lambda g: g.start)
+        first, final = gaps[0], gaps[-1]
+        start = _turn_start(fmt, messages, turn, text, where, tools)
+        start = first.start if start is None or start > first.start else start
+        if final.kind == "F":
+            # A tool call runs to the first turn-closing token after its name; tokens the turn opened
+            # with (harmony's <|channel|>, <|message|>) do not close it.
+            opening = set(fmt.end_pattern.findall(text, start, first.start))
+            close = next((m for m in fmt.end_pattern.finditer(text, final.end) if m.group() not in opening), None)
+            end = final.end if close is None else close.end()
+        else:
+            end = final.end + _end_of_turn(text[final.end : final.after], fmt.end_tokens)
+        reasoning = next((g for g in gaps if g.kind == "R"), None)
+        if fmt.reasoning == "mask" and reasoning is not None:
+            start = max(start, reasoning.after)  # the reasoning block, its tags included, is input only
+        if start < end:
+            spans.append((start, end))
     return spans
 
 
@@ -321,39 +617,95 @@ def _unplaceable(where: str, why: str) -> RowFailure:
     )
 
 
-def _spans_to_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
-    starts = offsets[:, 0]
+def _solid_prefix(text: str) -> np.ndarray:
+    """``out[k]``: how many non-whitespace characters ``text[:k]`` holds."""
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    solid = ~np.isin(codes, _WHITESPACE)
+    out = np.zeros(len(codes) + 1, dtype=np.int64)
+    np.cumsum(solid, out=out[1:])
+    return out
+
+
+def _spans_to_mask(text: str, offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 on each token that starts in a span or shares a non-whitespace character with one.
+
+    So ``▁The``, whose space the template writes, is supervised; a token that merges a header's newline
+    with the content's is not.
+    """
+    solid = _solid_prefix(text)
+    starts, ends = offsets[:, 0], offsets[:, 1]
     mask = np.zeros(len(starts), dtype=np.uint8)
     for a, b in spans:
-        mask[(starts >= a) & (starts < b)] = 1
+        lo, hi = np.maximum(starts, a), np.minimum(ends, b)
+        overlap = lo < hi
+        shares = overlap & (solid[np.where(overlap, hi, 0)] > solid[np.where(overlap, lo, 0)])
+        mask[shares | ((starts >= a) & (starts < b))] = 1
     return mask
 
 
 def mask_conversation(
-    tokenizer: Any, fmt: ChatFormat, messages: list[dict], where: str
+    tokenizer: Any,
+    fmt: ChatFormat | MistralCommonFormat,
+    messages: list[dict],
+    where: str,
+    tools: list[dict] | None = None,
+    turns: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Render, tokenize and mask one conversation.
 
     Args:
         tokenizer: a fast Hugging Face tokenizer (its offsets map characters to tokens).
         fmt: the chat format.
-        messages: ``{"role", "content"}`` dicts; at least one assistant message.
+        messages: OpenAI-form message dicts; at least one assistant message.
         where: how to name the row in messages (``file:line``).
+        tools: the tool schemas the template renders (default: ``fmt.tools``).
+        turns: ``all`` or ``last`` assistant turns supervised (default: ``fmt.turns``).
 
     Returns:
-        ``(input_ids int32, loss_mask uint8)`` of the whole conversation.
+        ``(input_ids int32, loss_mask uint8)`` of the whole conversation: the ids are those of
+        ``tokenizer.apply_chat_template(messages, tools=tools)``.
 
     Raises:
         RowFailure: the template rejects the conversation, or its assistant turns cannot be located.
     """
     messages = fmt.with_system_prompt(messages)
+    tools = fmt.tools if tools is None else tools
+    turns = turns or fmt.turns
+    if isinstance(fmt, MistralCommonFormat):
+        return _mistral_common_mask(fmt, messages, where, tools, turns)
     use_markers = fmt.has_generation_markers and not (
-        fmt.reasoning == "mask" and any(_split_reasoning(m["content"])[0] for m in messages if m["role"] == "assistant")
+        fmt.reasoning == "mask" and any(_has_reasoning(m) for m in messages if m["role"] == "assistant")
     )
-    text, spans = fmt.render(messages, where, track=use_markers)
+    text, spans = fmt.render(messages, where, tools, track=use_markers)
     if not use_markers:
-        spans = _sentinel_spans(fmt, messages, text, where)
+        spans = _sentinel_spans(fmt, messages, text, where, tools, turns)
+    elif turns == "last":
+        spans = spans[-1:]
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     ids = np.asarray(encoded["input_ids"], dtype=np.int32)
     offsets = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-    return ids, _spans_to_mask(offsets, spans)
+    return ids, _spans_to_mask(text, offsets, spans)
+
+
+def conversation_samples(
+    tokenizer: Any,
+    fmt: ChatFormat | MistralCommonFormat,
+    messages: list[dict],
+    where: str,
+    tools: list[dict] | None = None,
+) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """``(turn, input_ids, loss_mask)`` of each sample a conversation gives.
+
+    One sample (turn -1) masked per ``fmt.turns``; with ``fmt.expand_turns``, one per assistant turn
+    ``k`` (0-based among the assistant messages): the conversation up to that turn, only it supervised.
+
+    Raises:
+        RowFailure: as :func:`mask_conversation`.
+    """
+    if not fmt.expand_turns:
+        return [(-1, *mask_conversation(tokenizer, fmt, messages, where, tools))]
+    ends = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return [
+        (k, *mask_conversation(tokenizer, fmt, messages[: end + 1], f"{where} (turn {k})", tools, "last"))
+        for k, end in enumerate(ends)
+    ]

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from speccache.data import SKIPPED_ROWS_FILE
+from speccache.data import SAMPLE_TURN_KEY, SKIPPED_ROWS_FILE, SOURCE_ROW_KEY
 from speccache.errors import CacheCorruptError, CacheExistsError, CacheIncompleteError, DataError
 from speccache.format import Manifest, NativeShard, ShardFile, load_manifest_json, manifest_path, shard_path
 from speccache.read.view import CACHE_DATA_FIELDS
@@ -40,6 +40,7 @@ __all__ = ["DATA_FIELDS", "AppendPlan", "AppendedDataset", "merge_stats", "plan_
 
 DATA_FIELDS = CACHE_DATA_FIELDS
 """Configuration fields an append may change: which data the samples come from (those merged views may differ in)."""
+_PER_SAMPLE = (SOURCE_ROW_KEY, SAMPLE_TURN_KEY)  # fixed int64 keys a recomputed stored sample keeps
 
 
 @dataclass
@@ -130,7 +131,7 @@ def _stored_tokens(out: str, body: Mapping[str, Any], index: int, count: int) ->
     manifest = Manifest.from_json(body, manifest_path(out))
     shard = NativeShard(shard_path(out, index), manifest.schema, index, None, verify=True)
     try:
-        keys = [k for k in ("input_ids", "loss_mask", "source_row") if k in manifest.schema]
+        keys = [k for k in ("input_ids", "loss_mask", *_PER_SAMPLE) if k in manifest.schema]
         rows = {k: shard.rows(k, 0, count).clone() for k in keys}
         offsets = shard.row_offsets
     finally:
@@ -143,8 +144,7 @@ def _stored_tokens(out: str, body: Mapping[str, Any], index: int, count: int) ->
             "loss_mask": rows["loss_mask"][a:b].bool(),
             # A sample cleared by --nonfinite skip stores no supervised token: recomputed, it is cleared again.
         }
-        if "source_row" in rows:
-            item["source_row"] = rows["source_row"][i].to(torch.int64)
+        item.update((k, rows[k][i].to(torch.int64)) for k in _PER_SAMPLE if k in rows)
         items.append(item)
     return items
 

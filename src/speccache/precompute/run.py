@@ -26,7 +26,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from speccache.data import (
     REASONING_MODES,
+    SAMPLE_TURN_KEY,
     SKIPPED_ROWS_FILE,
+    TURN_MODES,
     DataStats,
     TokenizedSamples,
     chat_format,
@@ -36,6 +38,7 @@ from speccache.data import (
     load_chat_tokenizer,
     load_samples,
     merge_parts,
+    sample_turn_spec,
     tokenizer_hash,
 )
 from speccache.errors import DataError, SpeccacheError
@@ -149,6 +152,17 @@ def add_precompute_arguments(p: argparse.ArgumentParser) -> None:
         default="keep",
         help="rendered <think> reasoning: keep (trained on, default) or mask (in the input, not in the loss)",
     )
+    p.add_argument("--tools", default=None, help="a JSON list of tool schemas rendered for rows that carry no 'tools'")
+    p.add_argument(
+        "--turns",
+        default="all",
+        help="assistant turns supervised: all (default) or last (earlier turns are context)",
+    )
+    p.add_argument(
+        "--expand-turns",
+        action="store_true",
+        help="one sample per assistant turn: the conversation up to it, only it supervised (records sample_turn)",
+    )
 
 
 @dataclass
@@ -177,6 +191,9 @@ class PrecomputeConfig:
     chat_template: str | None = None
     system_prompt: str | None = None
     reasoning: str = "keep"
+    tools: str | None = None
+    turns: str = "all"
+    expand_turns: bool = False
     num_proc: int | None = None
     data_split: str | None = None
     resume: bool = False
@@ -219,6 +236,9 @@ class PrecomputeConfig:
             chat_template=getattr(args, "chat_template", None),
             system_prompt=getattr(args, "system_prompt", None),
             reasoning=getattr(args, "reasoning", "keep"),
+            tools=getattr(args, "tools", None),
+            turns=getattr(args, "turns", "all"),
+            expand_turns=getattr(args, "expand_turns", False),
             num_proc=getattr(args, "num_proc", None),
             data_split=getattr(args, "data_split", None),
             resume=getattr(args, "resume", False),
@@ -285,6 +305,10 @@ class PrecomputeConfig:
             check_out_outside_data(self.out, data_root(self.data, self.data_split))
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise FileNotFoundError(f"--chat-template {self.chat_template}: no such file")
+        if self.tools is not None and not os.path.isfile(self.tools):
+            raise FileNotFoundError(f"--tools {self.tools}: no such file")
+        if self.turns not in TURN_MODES:
+            raise ValueError(f"--turns {self.turns!r} is unknown; choose one of {', '.join(TURN_MODES)}")
         if self.num_proc is not None and self.num_proc < 1:
             raise ValueError(f"--num-proc must be >= 1, got {self.num_proc}")
         if self.reasoning not in REASONING_MODES:
@@ -393,7 +417,7 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
     else:
         aux = []
         selection = preset_selection(cfg.method, num_layers, cfg.layers, cfg.last_hidden, cfg.last_prenorm)
-    tokenizer = load_chat_tokenizer(cfg.model)
+    tokenizer = load_chat_tokenizer(cfg.model, cfg.chat_template)
     vocab_size = int(text_config.vocab_size)
     draft = cfg.draft_vocab_size if cfg.draft_vocab_size is not None else vocab_size
     if not 1 <= draft <= vocab_size:
@@ -408,7 +432,18 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
     else:
         schema = layers_schema(selection, hidden, DTYPES[cfg.dtype], cfg.encodings)
         method_config = selection.manifest_config(model_config)
-    fmt = chat_format(tokenizer, cfg.chat_template, cfg.reasoning, cfg.system_prompt, _pinned_date(cfg))
+    fmt = chat_format(
+        tokenizer,
+        cfg.chat_template,
+        cfg.reasoning,
+        cfg.system_prompt,
+        _pinned_date(cfg),
+        tools_file=cfg.tools,
+        turns=cfg.turns,
+        expand_turns=cfg.expand_turns,
+    )
+    if cfg.expand_turns:
+        schema[SAMPLE_TURN_KEY] = sample_turn_spec()
     samples, stats = _load_data(cfg, tokenizer, fmt, comm or LocalComm())
     if not samples:
         reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(stats.skipped.items())) or "none skipped"
@@ -441,6 +476,10 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
         "reasoning": cfg.reasoning,
         "chat_date": fmt.date if fmt is not None and fmt.uses_date else None,
         "nonfinite": cfg.nonfinite,
+        # recorded only when set, so that caches written before these options resume unchanged
+        **({"tools_hash": _json_hash(fmt.tools)} if fmt is not None and fmt.tools is not None else {}),
+        **({"turns": cfg.turns} if cfg.turns != "all" else {}),
+        **({"expand_turns": True} if cfg.expand_turns else {}),
     }
     return Plan(
         cfg, model_config, tokenizer, samples, stats, aux, vocab_size, hidden, draft, schema, manifest_config, selection
@@ -481,6 +520,10 @@ def _pinned_date(cfg: PrecomputeConfig) -> str | None:
         return None  # the writer's own checks report an unreadable manifest
 
 
+def _json_hash(value: Any) -> str:
+    return xxhash.xxh3_128_hexdigest(json.dumps(value, sort_keys=True, ensure_ascii=True).encode())
+
+
 def _config_hash(model_config: Any) -> str:
     body = model_config.to_dict()
     for volatile in ("_name_or_path", "transformers_version", "_commit_hash"):
@@ -508,6 +551,7 @@ class TokenizedDataset(Dataset):
             "loss_mask": torch.from_numpy(mask.astype(np.bool_)),
             "sample_index": torch.tensor(index, dtype=torch.int64),  # names the sample in a non-finite error
             "source_row": torch.tensor(int(self.samples.source_rows[index]), dtype=torch.int64),
+            SAMPLE_TURN_KEY: torch.tensor(int(self.samples.turns[index]), dtype=torch.int64),
         }
 
 
@@ -526,7 +570,7 @@ def pad_tokens(items: list[dict[str, torch.Tensor]], pad_id: int = 0) -> dict[st
         n = t["input_ids"].numel()
         ids[i, :n], mask[i, :n], attn[i, :n] = t["input_ids"], t["loss_mask"], 1
     batch = {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
-    for key in ("sample_index", "source_row"):
+    for key in ("sample_index", "source_row", SAMPLE_TURN_KEY):
         if key in items[0]:
             batch[key] = torch.stack([t[key] for t in items])
     return batch
@@ -613,6 +657,11 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
         )
     else:
         target = LayersTarget(model, plan.selection, DTYPES[cfg.dtype], cfg.nonfinite)
+    compute = target.compute_batch
+    if SAMPLE_TURN_KEY in plan.schema:
+
+        def compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {**target.compute_batch(batch), SAMPLE_TURN_KEY: batch[SAMPLE_TURN_KEY]}
 
     pad_id = batch_pad_id(plan.tokenizer)
     dataset: Dataset = TokenizedDataset(plan.samples)
@@ -633,9 +682,7 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
     lockstep = comm.max_int if comm.world_size > 1 and groups.size == 1 else None
     if writer is None:  # a tensor-parallel rank that computes its group's batches for the group's writer
         shards = groups.from_writer(None)
-        compute_shard_runs(
-            loader, cfg.out, cfg.shard_size, shards, target.compute_batch, _discard, log, shard_plan=sorted_plan
-        )
+        compute_shard_runs(loader, cfg.out, cfg.shard_size, shards, compute, _discard, log, shard_plan=sorted_plan)
         comm.max_int(0)  # returns once every writer has sealed the cache
         return Manifest.read(cfg.out)
 
@@ -672,7 +719,7 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
                 cfg.out,
                 cfg.shard_size,
                 run.shards,
-                target.compute_batch,
+                compute,
                 cleared.write_shard,
                 log,
                 ragged_keys=ragged,
