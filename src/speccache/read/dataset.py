@@ -264,6 +264,18 @@ def _will_need(source: _OpenShard, offset: int, nbytes: int) -> None:
         offset += source.advice
 
 
+def _announce(ranges: Sequence[tuple[Any, ...]]) -> None:
+    """``WILLNEED`` for each ``(source, offset, nbytes, ...)`` of ``ranges`` (sorted by source, then offset):
+    touching or overlapping ranges of a file go as one, so that the disk streams through it in long requests."""
+    first, start, end = ranges[0][0], ranges[0][1], ranges[0][1]
+    for source, offset, nbytes, *_ in ranges:
+        if source is not first or offset > end:
+            _will_need(first, start, end - start)
+            first, start = source, offset
+        end = max(end, offset + nbytes)
+    _will_need(first, start, end - start)
+
+
 _NOWAIT = [getattr(os, "RWF_NOWAIT", 0)]
 """``RWF_NOWAIT`` while the kernel and file system take it (a one-element list: switched off on the first refusal)."""
 
@@ -517,13 +529,17 @@ class CacheDataset(Dataset):
         cached are announced; short ones rely on the kernel's read-around of the mapping.
         """
         probe = memoryview(bytearray(1))
+        wanted = []
         for index in indices:
             shard, local = self._split(index)
             opened = self._open_shard(shard)
             for key, base in opened.long.items():
                 start, end = opened.span(key, local)
                 if end - start >= _PREAD_BYTES and not _cached_prefix(opened, probe, base + start):
-                    _will_need(opened, base + start, end - start)
+                    wanted.append((opened, base + start, end - start))
+        if wanted:
+            wanted.sort(key=lambda w: (id(w[0]), w[1]))
+            _announce(wanted)
 
     def sample_lengths(self) -> list[int]:
         """Rows of each sample's ragged keys (all 1 when no key is ragged); reads only shard offsets."""
@@ -621,16 +637,9 @@ def read_into(out: torch.Tensor, samples: Sequence[Any], key: str, info: KeyLayo
         got = _cached_prefix(source, mv[d : d + nbytes], offset)
         if got < nbytes:
             missed.append((source, offset + got, nbytes - got, d + got))
-    # In file order, so that the disk streams through each shard; neighbouring samples are announced as one range.
-    missed.sort(key=lambda m: (id(m[0]), m[1]))
+    missed.sort(key=lambda m: (id(m[0]), m[1]))  # in file order, as _announce asks the disk for them
     if len(missed) > 1:
-        first, start, end = missed[0][0], missed[0][1], missed[0][1]
-        for source, offset, nbytes, _ in missed:
-            if source is not first or offset > end:
-                _will_need(first, start, end - start)
-                first, start = source, offset
-            end = max(end, offset + nbytes)
-        _will_need(first, start, end - start)
+        _announce(missed)
     for source, offset, nbytes, d in missed:
         _pread_into(source, mv[d : d + nbytes], offset)
     if encoded:
