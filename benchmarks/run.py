@@ -18,16 +18,19 @@ round (best of ``--rounds``), so that a busy machine slows both sides alike:
    (cold);
 4. the same reads with NeMo AutoModel 0.7.0's ``offline_cache`` module (its cache
    layout: fixed keys, samples padded to the longest length);
+4b. the drop-in ``speccache.offline_cache`` (``CachedTensorDataset`` + ``collate_cached``)
+   against that module, the same calls on the same seed-layout cache, batches of 8;
 5. reader start-up (open and first batch) on a 10,000-shard cache.
 
 The seed module is loaded from ``--upstream`` (default: the wheel unpacked at
 /tmp/nemo), or downloaded with ``pip download --no-deps nemo-automodel==0.7.0``
-into the work directory; section 4 is skipped, saying so, when neither works.
+into the work directory; sections 4 and 4b are skipped when neither works (4b says so).
 Cold reads drop the page cache through /proc/sys/vm/drop_caches when permitted,
 else with ``posix_fadvise(DONTNEED)`` per file; the report says which, and how
 much of the files was still cached afterwards (``mincore``).
 
 Usage: python benchmarks/run.py --out docs/benchmarks.md [--work bench-out] [--scale 1.0] [--rounds 3]
+[--only SECTION ...] (sections: write, overlap, reads (3 and 4), dropin (4b), startup, nonfinite)
 """
 
 from __future__ import annotations

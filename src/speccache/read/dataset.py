@@ -8,8 +8,9 @@ batch) returns :class:`SampleView` objects, which only record where each sample
 lies; the collators then read each sample's bytes once, straight from the shard
 file into the batch tensors: long runs with ``pread`` (faulting a fresh mapping
 in costs about as much as the copy itself), the uncached ones of a batch
-announced to the kernel together so that the disk reads them in parallel;
-short runs from the mapping. :meth:`CacheDataset.prefetch` lets a sampler
+announced to the kernel together, in file order and neighbours merged, so
+that the disk reads them in parallel and in long requests; short runs from
+the mapping. :meth:`CacheDataset.prefetch` lets a sampler
 announce the next samples while a batch is read.
 """
 
@@ -65,7 +66,8 @@ def _key_layout(dtype: torch.dtype, shape: tuple[int, ...], ragged: bool) -> Key
 
 
 class _OpenShard:
-    """A shard opened by a :class:`CacheDataset`: its decoder plus what reading raw rows from the file needs."""
+    """A shard opened by a :class:`CacheDataset` (or by :func:`open_stacked_file`): its decoder plus what reading
+    raw rows from the file needs."""
 
     __slots__ = ("shard", "path", "keys", "infos", "bases", "mapped", "long", "row_offsets", "fd", "size", "advice")
 
