@@ -15,6 +15,7 @@ import inspect
 import json
 import logging
 import os
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -647,6 +648,51 @@ def test_cached_tensor_dataset_samples_are_copies(seed_layout_cache):
     ds = oc.CachedTensorDataset(cache_dir=cache_dir, cache_name="EAGLE-3", format_version=VERSION, disk_keys=KEYS)
     ds[0]["input_ids"].fill_(-1)
     assert torch.equal(ds[0]["input_ids"], samples["input_ids"][0])
+
+
+def test_batched_loader_batches_are_the_stacked_samples_and_the_callers_own(seed_layout_cache):
+    cache_dir, samples = seed_layout_cache
+    ds = oc.CachedTensorDataset(cache_dir=cache_dir, cache_name="EAGLE-3", format_version=VERSION, disk_keys=KEYS)
+    order = [5, 0, 3, 6, 1, 4, 2]
+    loader = DataLoader(ds, batch_size=3, sampler=order, collate_fn=lambda f: oc.collate_cached(f, KEYS))
+    batches = list(loader)
+    for batch, start in zip(batches, range(0, 7, 3)):
+        assert_samples_equal(batch, {k: samples[k][order[start : start + 3]] for k in KEYS})
+    for batch in batches:  # editing a batch changes neither a later batch nor a later sample
+        for value in batch.values():
+            value.zero_()
+    assert_samples_equal(next(iter(loader)), {k: samples[k][order[:3]] for k in KEYS})
+    assert_samples_equal(ds[5], {k: samples[k][5] for k in KEYS})
+
+
+def test_a_shard_truncated_under_the_dataset_raises_instead_of_sigbus(tmp_path):
+    cache_dir = str(tmp_path)
+    write_seed_layout_cache(oc, cache_dir, fixed_samples(6), shard_size=3)
+    code = f"""
+import os
+import speccache.offline_cache as oc
+from speccache.errors import CacheCorruptError
+keys = {KEYS!r}
+ds = oc.CachedTensorDataset({cache_dir!r}, "EAGLE-3", {VERSION}, keys)
+views = ds.__getitems__([0, 1, 2])  # what a batched DataLoader hands the collate_fn
+os.truncate({oc.shard_path(cache_dir, 0)!r}, 100)  # what copying a backup over the file does, mid-way
+attempts = (
+    lambda: oc.collate_cached(views, keys),
+    lambda: ds[1],
+    lambda: ds._handle(0).get_slice("hidden")[0],
+    lambda: ds._handle(0).get_tensor("hidden"),
+)
+for attempt in attempts:
+    try:
+        attempt()
+    except CacheCorruptError as exc:
+        print("refused:", exc)
+    else:
+        print("read")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])  # -7 would be SIGBUS
+    assert out.stdout.count("refused:") == 4 and "shrank" in out.stdout, out.stdout
 
 
 def test_cached_tensor_dataset_refuses_another_version(seed_layout_cache):

@@ -162,3 +162,25 @@ def test_a_shard_truncated_after_opening_raises(tmp_path):
     os.truncate(shard_path(path, 0), os.path.getsize(shard_path(path, 0)) - 4096)
     with pytest.raises(CacheCorruptError, match="truncated"):
         PackCollator(["hidden"])(views)
+
+
+@pytest.mark.parametrize("how", ["batch", "prefetch"])
+def test_uncached_reads_are_announced_in_file_order_neighbours_as_one_range(tmp_path, monkeypatch, how):
+    import speccache.read.dataset as dataset_module
+
+    path = str(tmp_path / "c")
+    write_synthetic_cache(path, num_samples=8, shard_size=8, hidden=256, min_len=300, max_len=300, overlap=False)
+    announced: list[tuple[int, int]] = []
+    monkeypatch.setattr(dataset_module, "_NOWAIT", [0])  # nothing counts as cached
+    monkeypatch.setattr(dataset_module, "_advise", lambda fd, offset, n, advice: announced.append((offset, n)))
+    ds = CacheDataset(path, keys=["hidden"])
+    order = [5, 2, 3, 6, 4]  # samples 2-6 lie back to back in the file
+    if how == "batch":
+        PackCollator(["hidden"])(ds.__getitems__(order))
+    else:
+        ds.prefetch(order)
+    piece = ds._open_shard(0).advice  # the device's read-ahead limit per WILLNEED
+    start, sample = ds._open_shard(0).bases["hidden"], 300 * 256 * 2
+    span = (start + 2 * sample, 5 * sample)
+    # one range, asked for in file order in pieces of the device's limit (not one 128 KiB request after another)
+    assert announced == [(span[0] + a, min(piece, span[1] - a)) for a in range(0, span[1], piece)]

@@ -44,7 +44,9 @@ from speccache.format import (
 )
 from speccache.format.manifest import manifest_text
 from speccache.format.shard import SHARD_META_CHECKSUMS
-from speccache.read import CacheDataset
+from speccache.read import CacheDataset, SampleView
+from speccache.read.collate import BufferPool, batch_tensor
+from speccache.read.dataset import open_stacked_file, read_into, readable_layout, view_layouts
 from speccache.write.loops import ShardAccumulator, partition_cache_shards, subset_loader
 
 __all__ = [
@@ -235,8 +237,11 @@ def open_seed_shard(
 class CachedTensorDataset(Dataset):
     """Lazily read fixed-key safetensors shards by sample index (the original's dataset).
 
-    At most :attr:`max_open_shards` shard handles stay open. A native speccache
-    cache (a manifest with a key schema) is read through :class:`speccache.read.CacheDataset`,
+    At most :attr:`max_open_shards` shard handles stay open. Samples are read from
+    the shard files into tensors of their own: ``ds[i]`` is a plain dict of them,
+    and a batched DataLoader gets :class:`speccache.read.SampleView` samples, which
+    :func:`collate_cached` reads straight into the batch. A native speccache cache
+    (a manifest with a key schema) is read through :class:`speccache.read.CacheDataset`,
     ragged keys at each sample's length.
 
     Args:
@@ -259,7 +264,8 @@ class CachedTensorDataset(Dataset):
             CacheDataset(cache_dir, list(disk_keys), cache_name=cache_name) if "keys" in self.manifest else None
         )
         self._shard_indices = validate_contiguous_shards(cache_dir, cache_name, self.num_samples, self.shard_size)
-        self._open_handles: OrderedDict[int, Any] = OrderedDict()
+        self._open_handles: OrderedDict[int, _ShardHandle] = OrderedDict()
+        self._layouts: dict[Any, Any] = {}
 
     def __len__(self) -> int:
         return self.num_samples
@@ -274,37 +280,46 @@ class CachedTensorDataset(Dataset):
         (opened on first use, LRU-bounded)."""
         handle = self._open_handles.get(shard_index)
         if handle is None:
-            handle = open_seed_shard(
+            opened = open_seed_shard(
                 self.cache_dir, shard_index, self._disk_keys, self.num_samples, self.shard_size, self.cache_name
             )
-            handle = self._open_handles[shard_index] = _ShardHandle(handle)
+            path = shard_path(self.cache_dir, shard_index)
+            expected = shard_samples(shard_index, self.num_samples, self.shard_size)
+            samples = open_stacked_file(path, self._disk_keys, expected, self._layouts)
+            handle = self._open_handles[shard_index] = _ShardHandle(opened, samples)
             if len(self._open_handles) > self.max_open_shards:
                 self._open_handles.popitem(last=False)
         else:
             self._open_handles.move_to_end(shard_index)
         return handle
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if self._native is not None:
-            return self._native[index]
+    def _sample(self, index: int) -> SampleView:
         if index < 0:
             index += self.num_samples
         if not 0 <= index < self.num_samples:
             raise IndexError(index)
-        handle = self._handle(index // self.shard_size)
-        offset = index % self.shard_size
-        return {key: handle.get_slice(key)[offset] for key in self._disk_keys}
+        return SampleView(self._handle(index // self.shard_size).samples, index % self.shard_size)
 
-    def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
-        """``[self[i] for i in indices]``: a subclass's ``__getitem__`` decides what batched loaders get."""
-        return [self[i] for i in indices]
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if self._native is not None:
+            return self._native[index]
+        return dict(self._sample(index))
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        """``[self[i] for i in indices]``: a subclass's ``__getitem__`` decides what batched loaders get; this class's
+        own samples come as :class:`speccache.read.SampleView` (read when accessed or collated)."""
+        if self._native is not None or type(self).__getitem__ is not CachedTensorDataset.__getitem__:
+            return [self[i] for i in indices]
+        return [self._sample(i) for i in indices]
 
 
 class _ShardHandle:
-    """A ``safe_open`` handle whose tensors never alias the handle's mapping (later reads see the file, not edits)."""
+    """A ``safe_open`` handle whose tensors never alias the handle's mapping (later reads see the file, not edits),
+    read only while the file is as long as when it was opened; ``samples`` reads the same file for the dataset."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, samples: Any) -> None:
         self._handle = handle
+        self.samples = samples
 
     def keys(self) -> list[str]:
         return list(self._handle.keys())
@@ -313,28 +328,47 @@ class _ShardHandle:
         return dict(self._handle.metadata() or {})
 
     def get_tensor(self, name: str) -> torch.Tensor:
+        self.samples.check_size()
         return self._handle.get_tensor(name).clone()
 
     def get_slice(self, name: str) -> _TensorSlice:
-        return _TensorSlice(self._handle.get_slice(name))
+        return _TensorSlice(self._handle.get_slice(name), self.samples)
 
 
 class _TensorSlice:
     """``handle.get_slice(name)``: index it to read part of a tensor (a copy)."""
 
-    def __init__(self, sliced: Any) -> None:
+    def __init__(self, sliced: Any, samples: Any) -> None:
         self._slice = sliced
+        self._samples = samples
 
     def __getitem__(self, index: Any) -> torch.Tensor:
+        self._samples.check_size()
         return self._slice[index].clone()
 
     def get_shape(self) -> list[int]:
         return list(self._slice.get_shape())
 
 
+_BATCH_MEMORY = BufferPool()
+"""Memory of earlier batches that nothing references any more, reused by :func:`collate_cached` (fresh memory
+costs a page fault per 4 KiB, about as much as reading the data into it)."""
+
+
 def collate_cached(features: list[dict[str, torch.Tensor]], keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Stack per-sample cache dicts into a batch."""
-    return {key: torch.stack([feature[key] for feature in features], dim=0) for key in keys}
+    """Stack per-sample cache dicts into a batch (the keys of :class:`CachedTensorDataset`'s samples read straight
+    from the shard files into it)."""
+    layouts, untouched = view_layouts(features)
+    batch = {}
+    for key in keys:
+        layout = readable_layout(features, layouts, untouched, key, ragged=False)
+        if layout is None:
+            batch[key] = torch.stack([feature[key] for feature in features], dim=0)
+        else:
+            shape = (len(features), *layout.shape)
+            batch[key] = out = batch_tensor(shape, layout.dtype, pin=False, pool=_BATCH_MEMORY)
+            read_into(out, features, key, layout, range(0, len(features) * layout.row_bytes, layout.row_bytes))
+    return batch
 
 
 def build_cached_dataloader(

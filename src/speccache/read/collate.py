@@ -30,7 +30,7 @@ def _pin() -> bool:
     return torch.cuda.is_available() and get_worker_info() is None
 
 
-class _BufferPool:
+class BufferPool:
     """Hands out batch tensors in memory that earlier batches no longer use.
 
     Fresh memory costs a page fault per 4 KiB page on first write, about as much
@@ -79,7 +79,7 @@ class _BufferPool:
         return self._buffers[-1]
 
 
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, pool: _BufferPool | None) -> torch.Tensor:
+def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, pool: BufferPool | None) -> torch.Tensor:
     """An uninitialised batch tensor: pinned if asked, in shared memory in a DataLoader worker, else from ``pool``."""
     if pin:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
@@ -90,9 +90,9 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, pool: _BufferP
     return pool.empty(shape, dtype) if pool is not None else torch.empty(shape, dtype=dtype)
 
 
-def _stack(tensors: list[torch.Tensor], pin: bool, pool: _BufferPool | None) -> torch.Tensor:
+def _stack(tensors: list[torch.Tensor], pin: bool, pool: BufferPool | None) -> torch.Tensor:
     first = tensors[0]
-    return torch.stack(tensors, out=_empty((len(tensors), *first.shape), first.dtype, pin, pool))
+    return torch.stack(tensors, out=batch_tensor((len(tensors), *first.shape), first.dtype, pin, pool))
 
 
 _ZEROS = memoryview(bytes(1 << 16))
@@ -135,7 +135,7 @@ class _Collator:
             warnings.warn("pin_memory=True but no CUDA device is available: batches are not pinned", stacklevel=2)
             pin_memory = False
         self.pin_memory = pin_memory
-        self._pool = _BufferPool()
+        self._pool = BufferPool()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -144,7 +144,7 @@ class _Collator:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._pool = _BufferPool()
+        self._pool = BufferPool()
 
     def __call__(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         pin = _pin() if self.pin_memory is None else self.pin_memory
@@ -159,7 +159,7 @@ class _Collator:
                 if info is None:
                     batch[key] = _stack([s[key] for s in samples], pin, self._pool)
                 else:
-                    batch[key] = out = _empty((len(samples), *info.shape), info.dtype, pin, self._pool)
+                    batch[key] = out = batch_tensor((len(samples), *info.shape), info.dtype, pin, self._pool)
                     read_into(out, samples, key, info, [i * info.row_bytes for i in range(len(samples))])
             elif info is not None:
                 lengths = counts = counts or row_counts(samples)
@@ -214,7 +214,7 @@ class PadCollator(_Collator):
         self, samples: list[Sample], key: str, info: Any, lengths: list[int], pin: bool
     ) -> torch.Tensor:
         longest = max(lengths)
-        out = _empty((len(samples), longest, *info.shape), info.dtype, pin, self._pool)
+        out = batch_tensor((len(samples), longest, *info.shape), info.dtype, pin, self._pool)
         stride = longest * info.row_bytes
         read_into(out, samples, key, info, [i * stride for i in range(len(samples))])
         _pad_rows(out, lengths, self.pad_values.get(key, 0))
@@ -224,7 +224,7 @@ class PadCollator(_Collator):
         self, key: str, tensors: list[torch.Tensor], lengths: list[int], pin: bool
     ) -> torch.Tensor:
         first = tensors[0]
-        out = _empty((len(tensors), max(lengths), *first.shape[1:]), first.dtype, pin, self._pool)
+        out = batch_tensor((len(tensors), max(lengths), *first.shape[1:]), first.dtype, pin, self._pool)
         pad = self.pad_values.get(key, 0)
         for row, t in zip(out, tensors):
             row[: t.shape[0]].copy_(t)
@@ -254,7 +254,7 @@ class PackCollator(_Collator):
     def _ragged_from_files(
         self, samples: list[Sample], key: str, info: Any, lengths: list[int], pin: bool
     ) -> torch.Tensor:
-        out = _empty((sum(lengths), *info.shape), info.dtype, pin, self._pool)
+        out = batch_tensor((sum(lengths), *info.shape), info.dtype, pin, self._pool)
         starts = itertools.accumulate(lengths[:-1], initial=0)
         read_into(out, samples, key, info, [start * info.row_bytes for start in starts])
         return out
@@ -263,7 +263,7 @@ class PackCollator(_Collator):
         self, key: str, tensors: list[torch.Tensor], lengths: list[int], pin: bool
     ) -> torch.Tensor:
         first = tensors[0]
-        out = _empty((sum(lengths), *first.shape[1:]), first.dtype, pin, self._pool)
+        out = batch_tensor((sum(lengths), *first.shape[1:]), first.dtype, pin, self._pool)
         return torch.cat(tensors, out=out)
 
     def _length_tensors(self, lengths: list[int]) -> dict[str, torch.Tensor]:

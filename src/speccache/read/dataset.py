@@ -8,14 +8,16 @@ batch) returns :class:`SampleView` objects, which only record where each sample
 lies; the collators then read each sample's bytes once, straight from the shard
 file into the batch tensors: long runs with ``pread`` (faulting a fresh mapping
 in costs about as much as the copy itself), the uncached ones of a batch
-announced to the kernel together so that the disk reads them in parallel;
-short runs from the mapping. :meth:`CacheDataset.prefetch` lets a sampler
+announced to the kernel together, in file order and neighbours merged, so
+that the disk reads them in parallel and in long requests; short runs from
+the mapping. :meth:`CacheDataset.prefetch` lets a sampler
 announce the next samples while a batch is read.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import operator
 import os
@@ -32,6 +34,7 @@ from speccache.format import (
     Manifest,
     NativeShard,
     Schema,
+    ShardFile,
     bytes_view,
     existing_shard_indices,
     file_checksum,
@@ -45,7 +48,7 @@ from speccache.format.view import is_view
 
 Sample = dict[str, torch.Tensor]
 
-__all__ = ["CacheDataset", "Sample", "SampleView"]
+__all__ = ["CacheDataset", "Sample", "SampleView", "open_stacked_file"]
 
 
 @dataclass(frozen=True)
@@ -63,9 +66,10 @@ def _key_layout(dtype: torch.dtype, shape: tuple[int, ...], ragged: bool) -> Key
 
 
 class _OpenShard:
-    """A shard opened by a :class:`CacheDataset`: its decoder plus what reading raw rows from the file needs."""
+    """A shard opened by a :class:`CacheDataset` (or by :func:`open_stacked_file`): its decoder plus what reading
+    raw rows from the file needs."""
 
-    __slots__ = ("shard", "path", "keys", "infos", "bases", "mapped", "long", "row_offsets", "fd", "size")
+    __slots__ = ("shard", "path", "keys", "infos", "bases", "mapped", "long", "row_offsets", "fd", "size", "advice")
 
     def __init__(
         self, shard: NativeShard, keys: tuple[str, ...], infos: dict[str, KeyLayout], raw: Sequence[str]
@@ -90,6 +94,8 @@ class _OpenShard:
         }
         """File offsets of the raw keys with samples long enough for ``pread`` (which ``prefetch`` announces)."""
         self.fd: int = shard.file.handle.fileno()  # the file the mapping shows, kept open by the shard
+        self.advice = _advice_bytes(os.fstat(self.fd).st_dev)
+        """Bytes per ``WILLNEED`` (see :func:`_advice_bytes`)."""
 
     def span(self, key: str, local: int) -> tuple[int, int]:
         """Byte range of sample ``local``'s rows of raw key ``key``, from the key's first row."""
@@ -119,6 +125,38 @@ class _OpenShard:
         if self.bases[key] is not None:  # a view of the mapping: copy, so that the caller's edits stay the caller's
             rows = rows.clone()
         return rows if self.infos[key].ragged else rows[0]
+
+
+class _StackedFile:
+    """A safetensors file whose every tensor stacks the same ``num_samples`` samples (NeMo's seed layout), read as
+    a shard of fixed keys."""
+
+    def __init__(self, path: str, num_samples: int) -> None:
+        self.file = ShardFile(path)
+        self.path = path
+        self.row_offsets = list(range(num_samples + 1))
+
+    def rows(self, key: str, start: int, end: int) -> torch.Tensor:
+        return self.file.tensor(key)[start:end]
+
+
+def open_stacked_file(
+    path: str, keys: Sequence[str], num_samples: int, layouts: dict[Any, dict[str, KeyLayout]]
+) -> _OpenShard:
+    """``path``, whose tensors ``keys`` each hold ``num_samples`` stacked samples, opened for :class:`SampleView` reads.
+
+    ``SampleView(opened, i)`` is then sample ``i``, which the collators and :func:`read_into` read straight
+    from the file. Files of one layout share their entry of ``layouts`` (a dict the caller keeps), so that
+    a batch of their samples is recognised as alike. The caller checks the file's keys and sample counts.
+
+    Raises:
+        CacheCorruptError: the header does not match the file (truncated or damaged).
+    """
+    stacked = _StackedFile(path, num_samples)
+    entries = stacked.file.entries
+    infos = {k: _key_layout(entries[k][0], entries[k][1][1:], False) for k in keys}
+    infos = layouts.setdefault(tuple(infos.items()), infos)
+    return _OpenShard(stacked, tuple(keys), infos, keys)  # type: ignore[arg-type]
 
 
 class SampleView(MutableMapping[str, torch.Tensor]):
@@ -193,17 +231,51 @@ copy, and a fault on a cold page reads its neighbours too (read-around).
 
 _advise = getattr(os, "posix_fadvise", None)
 _ADVICE_BYTES = 128 << 10
-"""The kernel reads at most its read-ahead size (128 KiB by default) per ``WILLNEED``: longer ranges go in pieces."""
+"""What the kernel reads per ``WILLNEED`` where its device's limits are unknown (the default read-ahead size)."""
 
 
-def _will_need(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start reading ``[offset, offset + nbytes)`` of ``fd`` into the page cache."""
+@functools.cache
+def _advice_bytes(device: int) -> int:
+    """The most the kernel reads per ``WILLNEED`` on files of ``device`` (an ``st_dev``): the larger of the block
+    device's read-ahead size and its largest request (``force_page_cache_ra``); longer ranges go in pieces.
+
+    Pieces any smaller turn one long read into many small requests, which a disk serves several times slower.
+    """
+    queue = f"/sys/dev/block/{os.major(device)}:{os.minor(device)}"
+    for where in (queue + "/queue", queue + "/../queue"):  # a whole disk, or a partition of one
+        try:
+            limits = [int(_read_text(f"{where}/{name}")) for name in ("read_ahead_kb", "max_sectors_kb")]
+        except (OSError, ValueError):
+            continue
+        return max(_ADVICE_BYTES, max(limits) << 10)
+    return _ADVICE_BYTES
+
+
+def _read_text(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _will_need(source: _OpenShard, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start reading ``[offset, offset + nbytes)`` of ``source``'s file into the page cache."""
     if _advise is None:
         return
     end = offset + nbytes
     while offset < end:
-        _advise(fd, offset, min(_ADVICE_BYTES, end - offset), os.POSIX_FADV_WILLNEED)
-        offset += _ADVICE_BYTES
+        _advise(source.fd, offset, min(source.advice, end - offset), os.POSIX_FADV_WILLNEED)
+        offset += source.advice
+
+
+def _announce(ranges: Sequence[tuple[Any, ...]]) -> None:
+    """``WILLNEED`` for each ``(source, offset, nbytes, ...)`` of ``ranges`` (sorted by source, then offset):
+    touching or overlapping ranges of a file go as one, so that the disk streams through it in long requests."""
+    first, start, end = ranges[0][0], ranges[0][1], ranges[0][1]
+    for source, offset, nbytes, *_ in ranges:
+        if source is not first or offset > end:
+            _will_need(first, start, end - start)
+            first, start = source, offset
+        end = max(end, offset + nbytes)
+    _will_need(first, start, end - start)
 
 
 _NOWAIT = [getattr(os, "RWF_NOWAIT", 0)]
@@ -473,13 +545,17 @@ class CacheDataset(Dataset):
         cached are announced; short ones rely on the kernel's read-around of the mapping.
         """
         probe = memoryview(bytearray(1))
+        wanted = []
         for index in indices:
             shard, local = self._split(index)
             opened = self._open_shard(shard)
             for key, base in opened.long.items():
                 start, end = opened.span(key, local)
                 if end - start >= _PREAD_BYTES and not _cached_prefix(opened, probe, base + start):
-                    _will_need(opened.fd, base + start, end - start)
+                    wanted.append((opened, base + start, end - start))
+        if wanted:
+            wanted.sort(key=lambda w: (id(w[0]), w[1]))
+            _announce(wanted)
 
     def sample_lengths(self) -> list[int]:
         """Rows of each sample's ragged keys (all 1 when no key is ragged); reads only shard offsets."""
@@ -583,9 +659,9 @@ def read_into(out: torch.Tensor, samples: Sequence[Any], key: str, info: KeyLayo
         got = _cached_prefix(source, mv[d : d + nbytes], offset)
         if got < nbytes:
             missed.append((source, offset + got, nbytes - got, d + got))
+    missed.sort(key=lambda m: (id(m[0]), m[1]))  # in file order, as _announce asks the disk for them
     if len(missed) > 1:
-        for source, offset, nbytes, _ in missed:
-            _will_need(source.fd, offset, nbytes)
+        _announce(missed)
     for source, offset, nbytes, d in missed:
         _pread_into(source, mv[d : d + nbytes], offset)
     if encoded:
