@@ -55,7 +55,7 @@ import speccache.write.cache_writer as cache_writer_module
 import speccache.write.loops as loops_module
 from cachecmp import file_tree
 from speccache.cli import main as cli_main
-from speccache.errors import CacheExistsError, ConfigMismatchError, DistributedError, SpeccacheError
+from speccache.errors import CacheExistsError, ConfigMismatchError, DistributedError, OutputError, SpeccacheError
 from speccache.format import load_manifest_json, manifest_path, shard_path
 from speccache.format.lock import LOCK_NAME
 from speccache.read.verify import verify_cache
@@ -315,7 +315,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
             with writer.writing(side_files=(SideFile("side.bin", deny),)):
                 raise AssertionError("the run started although rank 0 could not write its side file")
 
-        _same_error_everywhere(comm, write_with_failing_side_file, PermissionError)
+        _same_error_everywhere(comm, write_with_failing_side_file, OutputError)
         _barrier(comm)
         assert not (side / LOCK_NAME).exists() and not (side / "manifest.json").exists()
         if world > 1:

@@ -368,10 +368,6 @@ def import_nemo_eagle3(src: str, out: str, resume: bool = False) -> Manifest:
     def open_shard(index: int) -> Any:
         return oc.open_seed_shard(src, index, keys, num_samples, shard_size, "NeMo EAGLE-3")
 
-    # Every shard is checked (there, whole, holding the manifest's counts) before anything is written.
-    for index in validate_contiguous_shards(src, "NeMo EAGLE-3", num_samples, shard_size):
-        open_shard(index)
-
     def side() -> dict[str, torch.Tensor]:
         return {"embed_tokens": ShardFile(embeddings).tensor("weight").clone(), **eagle3.vocab_mapping(selected, vocab)}
 
@@ -384,6 +380,10 @@ def import_nemo_eagle3(src: str, out: str, resume: bool = False) -> Manifest:
         config=config,
         resume=resume,
     )
+    writer.preflight()  # the output first: reading every shard of the source is the long part
+    # Every shard is checked (there, whole, holding the manifest's counts) before anything is written.
+    for index in validate_contiguous_shards(src, "NeMo EAGLE-3", num_samples, shard_size):
+        open_shard(index)
     side_file = SideFile(eagle3.SIDE_FILE, side, {"speccache_side": eagle3.CACHE_NAME})
     with writer.writing(side_files=(side_file,), overlap=False) as run:
         for index in run.shards:

@@ -571,7 +571,8 @@ def pad_tokens(items: list[dict[str, torch.Tensor]], pad_id: int = 0) -> dict[st
         ids[i, :n], mask[i, :n], attn[i, :n] = t["input_ids"], t["loss_mask"], 1
     batch = {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
     for key in ("sample_index", "source_row", SAMPLE_TURN_KEY):
-        if key in items[0]:
+        # an append's batch may mix stored samples (the keys their schema has) with new ones
+        if all(key in t for t in items):
             batch[key] = torch.stack([t[key] for t in items])
     return batch
 
