@@ -52,7 +52,7 @@ def _bench():
 
 
 # Wide layers on a small target: 2 layers of 26 MiB, each MLP weight an 8 MiB block (4 MiB per rank), the sizes
-# glibc's dynamic mmap threshold serves from a heap it keeps; 61 MiB in all, so the test takes seconds.
+# glibc's dynamic mmap threshold serves from a heap it keeps; 61 MiB in all, so that both torchrun worlds are short.
 SMALL_WIDE = dict(
     hidden_size=512,
     intermediate_size=4096,
