@@ -369,6 +369,11 @@ def fully_shard_units(units: list[torch.nn.Module], device: torch.device) -> Non
     mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
     for unit in units:
         fully_shard(unit, mesh=mesh)
+    if device.type == "cpu":
+        # FSDP2 keeps a unit's all-gather output until the next unit's parameters are copied out of its own (for
+        # streams that overlap the two on a GPU): three units at once in host memory. Gathering with async_op
+        # frees each output as soon as its parameters are copied out, which on the CPU costs no overlap.
+        units[-1]._set_unshard_async_op(True)
 
 
 def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
