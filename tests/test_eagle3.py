@@ -129,6 +129,11 @@ def _side(cache_dir: str) -> dict[str, torch.Tensor]:
     return {k: side.tensor(k).clone() for k in side.keys()}
 
 
+def _next_token_supervised(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Row t's supervision (the prediction of token t + 1) counts when token t + 1 is generated."""
+    return torch.cat([loss_mask[1:].bool(), torch.zeros(1, dtype=torch.bool)])
+
+
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Distance in bf16 representable steps between two bf16 tensors."""
 
@@ -208,7 +213,7 @@ def test_target_head_from_cache(runs, live):
         probs, mask = head(got["last_hidden_state"], got["loss_mask"], got["in_draft"])
         assert probs.dtype == torch.float32 and probs.shape == (len(got["input_ids"]), 300)
         torch.testing.assert_close(probs, torch.softmax(o["logits"][:, selected], -1), atol=1e-5, rtol=0)
-        assert torch.equal(mask, got["loss_mask"] & got["in_draft"])
+        assert torch.equal(mask, _next_token_supervised(got["loss_mask"]) & got["in_draft"])
 
 
 def test_batched_fp32_equals_live_forward_within_tolerance(runs, live):
@@ -293,7 +298,7 @@ def test_probs_supervision_and_draft_vocab(runs, live):
         in_draft = torch.isin(o["logits"].argmax(-1), selected)
         assert torch.equal(stored["in_draft"], in_draft)
         assert "in_draft" not in got
-        assert torch.equal(got["position_mask"], got["loss_mask"] & in_draft)
+        assert torch.equal(got["position_mask"], _next_token_supervised(got["loss_mask"]) & in_draft)
         some_in |= bool(in_draft.any())
         some_out |= bool((~in_draft & got["loss_mask"]).any())
     assert some_in and some_out, "the test needs positions on both sides of the draft vocabulary"
@@ -327,7 +332,7 @@ def test_topk_supervision_full_vocab(runs, live):
         assert dense.shape == (t, 1024) and "topk_ids" not in got and "topk_probs" not in got
         assert torch.equal((dense != 0).sum(-1), torch.full((t,), 8))
         assert torch.equal(dense.gather(1, ids), stored["topk_probs"])
-        assert torch.equal(got["position_mask"], got["loss_mask"])
+        assert torch.equal(got["position_mask"], _next_token_supervised(got["loss_mask"]))
 
 
 @pytest.mark.parametrize(
