@@ -38,7 +38,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """Run ``speccache evaluate``."""
     torch.set_num_threads(args.threads)
-    from speccache.train.draft import load_draft
+    from speccache.train.draft import draft_record, load_draft
     from speccache.train.evaluate import (
         DraftProposer,
         NgramTable,
@@ -52,9 +52,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     )
 
     draft = load_draft(args.draft)
-    with open(f"{args.draft}/config.json", encoding="utf-8") as f:
-        trained_on = json.load(f)["speccache"].get("cache")
-    train_cache = args.train_cache or trained_on
+    train_cache = args.train_cache or draft_record(args.draft).get("cache")
     ngram = NgramTable.from_cache(train_cache) if train_cache else None
     report: dict[str, Any] = {"draft": args.draft, "train_cache": train_cache, "cache": args.cache, "k": args.k}
     tf = teacher_forced(draft, args.cache, args.k, ngram)

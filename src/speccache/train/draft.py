@@ -33,10 +33,11 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 
 from speccache.format.durable import atomic_write
 
-__all__ = ["DraftConfig", "Eagle3Draft", "load_draft", "save_draft"]
+__all__ = ["DraftConfig", "Eagle3Draft", "check_new_draft_dir", "draft_record", "load_draft", "save_draft"]
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
 
 
 @dataclass
@@ -157,7 +158,9 @@ class Eagle3Draft(nn.Module):
         """Target ids of draft-vocabulary ids."""
         return draft_ids + self.d2t[draft_ids]
 
-    def layer(self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+    def layer(
+        self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         """The decoder layer over ``[B, S]`` slots at ``positions`` ``[S]`` under ``mask`` ``[S, S]``."""
         rotary = self.rotary(states, positions[None].expand(states.shape[0], -1))
         return self.midlayer(embeds, states, rotary, mask)
@@ -184,14 +187,23 @@ class Eagle3Draft(nn.Module):
         return logits
 
 
+def check_new_draft_dir(out: str) -> None:
+    """Refuse a directory that already holds a draft (nothing that exists is overwritten).
+
+    Raises:
+        FileExistsError: ``out`` holds a ``config.json`` or ``model.safetensors``.
+    """
+    if os.path.exists(os.path.join(out, WEIGHTS)) or os.path.exists(os.path.join(out, CONFIG)):
+        raise FileExistsError(f"--out {out} already holds a draft; choose a new directory")
+
+
 def save_draft(draft: Eagle3Draft, out: str, extra: Mapping[str, Any] | None = None) -> None:
     """Write ``config.json`` and ``model.safetensors`` (published EAGLE-3 key names) into the directory ``out``.
 
     Raises:
-        FileExistsError: ``out`` already holds a draft (nothing is overwritten).
+        FileExistsError: ``out`` already holds a draft (see :func:`check_new_draft_dir`).
     """
-    if os.path.exists(os.path.join(out, WEIGHTS)) or os.path.exists(os.path.join(out, "config.json")):
-        raise FileExistsError(f"--out {out} already holds a draft; choose a new directory")
+    check_new_draft_dir(out)
     os.makedirs(out, exist_ok=True)
     c = draft.config
     config = {
@@ -217,13 +229,19 @@ def save_draft(draft: Eagle3Draft, out: str, extra: Mapping[str, Any] | None = N
     tensors = {k: v.detach().contiguous() for k, v in draft.state_dict().items()}
     atomic_write(os.path.join(out, WEIGHTS), lambda tmp: save_file(tensors, tmp))
     text = json.dumps(config, indent=2) + "\n"
-    atomic_write(os.path.join(out, "config.json"), lambda tmp: open(tmp, "w", encoding="utf-8").write(text))
+    atomic_write(os.path.join(out, CONFIG), lambda tmp: open(tmp, "w", encoding="utf-8").write(text))
+
+
+def draft_record(path: str) -> dict[str, Any]:
+    """What :func:`save_draft` recorded of a draft in its ``config.json``: ``draft_config``, ``cache`` (the
+    training cache), ``target``, ``training``."""
+    with open(os.path.join(path, CONFIG), encoding="utf-8") as f:
+        return json.load(f)["speccache"]
 
 
 def load_draft(path: str) -> Eagle3Draft:
     """Load a draft :func:`save_draft` wrote."""
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        config = DraftConfig(**json.load(f)["speccache"]["draft_config"])
+    config = DraftConfig(**draft_record(path)["draft_config"])
     tensors = load_file(os.path.join(path, WEIGHTS))
     draft = Eagle3Draft(
         config, tensors["embed_tokens.weight"], tensors["lm_head.weight"], tensors["d2t"], tensors["t2d"]

@@ -19,7 +19,7 @@ import torch
 
 from speccache.format import ShardFile
 from speccache.methods.eagle3 import SIDE_FILE, Eagle3CacheDataset, TargetHead, build_eagle3_dataloader, draft_view
-from speccache.train.draft import DraftConfig, Eagle3Draft, save_draft
+from speccache.train.draft import DraftConfig, Eagle3Draft, check_new_draft_dir, save_draft
 
 __all__ = [
     "TrainResult",
@@ -139,8 +139,7 @@ def train(
             raise ValueError(f"{name} {value} must be at least 1")
     if not lr > 0:
         raise ValueError(f"--lr {lr} must be a positive learning rate")
-    if os.path.exists(os.path.join(out, "config.json")):
-        raise FileExistsError(f"--out {out} already holds a draft; choose a new directory")
+    check_new_draft_dir(out)
     torch.manual_seed(seed)
     draft, head = draft_for_cache(cache_dir)
     optimizer = make_optimizer(draft, lr)
