@@ -27,6 +27,7 @@ from speccache.methods.eagle3 import (
     build_eagle3_dataloader,
     check_aux_layers,
     default_aux_layers,
+    draft_view,
     select_draft_vocab,
     vocab_mapping,
 )
@@ -490,3 +491,26 @@ def test_shuffled_loader_uses_the_locality_sampler_and_resumes_mid_epoch(runs):
     rest = [batch["input_ids"] for batch in resumed]
     assert len(rest) == len(epoch) - consumed_batches
     assert all(torch.equal(a, b) for a, b in zip(rest, epoch[consumed_batches:]))
+
+
+@pytest.mark.parametrize("name", ["llama_probs_bs4", "llama_bs4"])
+def test_draft_view_slot_j_reads_aux_j_and_token_j_plus_1_and_is_graded_on_row_j_plus_1(runs, name):
+    out = runs(name)
+    head = TargetHead.from_cache(out)
+    for batch in build_eagle3_dataloader(out, 4, shuffle=False):
+        view = draft_view(batch, head)
+        if "target_probs" in batch:
+            probs, mask = batch["target_probs"], batch["position_mask"]
+        else:
+            probs, mask = head(batch["last_hidden_state"], batch["loss_mask"], batch.get("in_draft"))
+        for b, n in enumerate(batch["attention_mask"].sum(1).tolist()):
+            for j in range(n - 1):
+                assert torch.equal(view["hidden"][b, j], batch["aux_hidden_states"][b, j])
+                assert int(view["input_ids"][b, j]) == int(batch["input_ids"][b, j + 1])
+                assert torch.equal(view["target"][b, j], probs[b, j + 1])
+                assert bool(view["mask"][b, j]) == bool(mask[b, j + 1])
+                # counted when token j + 2 (what row j + 1 predicts) is generated, and (reduced vocabulary)
+                # row j + 1's argmax is in the draft vocabulary
+                generated = j + 2 < n and bool(batch["loss_mask"][b, j + 2])
+                assert bool(view["mask"][b, j]) == generated if name == "llama_bs4" else generated >= view["mask"][b, j]
+            assert not view["mask"][b, n - 1 :].any()
