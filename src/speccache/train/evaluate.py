@@ -232,14 +232,12 @@ def acceptance(correct: Sequence[torch.Tensor], mask: torch.Tensor) -> dict[str,
     }
 
 
-def _lookup_correct(tokens: torch.Tensor, target_ids: torch.Tensor, predict: Any) -> torch.Tensor:
-    """``[B, S]``: whether ``predict(sequence up to slot j + 1)`` is row ``j + 1``'s argmax (teacher-forced)."""
-    out = torch.zeros_like(target_ids, dtype=torch.bool)
-    for b in range(tokens.shape[0]):
-        seq = tokens[b].tolist()
-        for j in range(target_ids.shape[1]):
-            guess = predict(seq[: j + 2])
-            out[b, j] = guess is not None and guess == int(target_ids[b, j])
+def _lookup_correct(tokens: torch.Tensor, target_ids: torch.Tensor, mask: torch.Tensor, predict: Any) -> torch.Tensor:
+    """``[B, S]``: whether ``predict(tokens up to j + 1)`` is row ``j + 1``'s argmax, at the counted slots."""
+    out = torch.zeros_like(mask)
+    for b, j in torch.nonzero(mask).tolist():
+        guess = predict(tokens[b, : j + 2].tolist())
+        out[b, j] = guess is not None and guess == int(target_ids[b, j])
     return out
 
 
@@ -267,9 +265,11 @@ def teacher_forced(
             correct["draft"][a].append(draft.draft_to_target(logits.argmax(-1)) == target_ids)
         tokens = batch["input_ids"].long()
         if ngram is not None:
-            correct["ngram"][0].append(_lookup_correct(tokens, target_ids, lambda s: ngram.next(s[-2], s[-1])))
+            correct["ngram"][0].append(
+                _lookup_correct(tokens, target_ids, view["mask"], lambda s: ngram.next(s[-2], s[-1]))
+            )
         correct["prompt_lookup"][0].append(
-            _lookup_correct(tokens, target_ids, lambda s: next(iter(lookup.propose(s, None, 1)), None))
+            _lookup_correct(tokens, target_ids, view["mask"], lambda s: next(iter(lookup.propose(s, None, 1)), None))
         )
         masks.append(view["mask"])
     width = max(m.shape[1] for m in masks)

@@ -9,7 +9,7 @@ and the loss is the mean over the steps.
 
 from __future__ import annotations
 
-import math
+import itertools
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -158,14 +158,13 @@ def train(
         left = total - len(losses)
         if left <= 0:
             break
-        batches = (b for i, b in zip(range(left), loader))
-        losses += train_steps(draft, batches, head, optimizer, ttt_steps, report)
+        losses += train_steps(draft, itertools.islice(loader, left), head, optimizer, ttt_steps, report)
     seconds = time.monotonic() - started
     trained = {"epochs": epochs, "lr": lr, "ttt_steps": ttt_steps, "batch_size": batch_size, "seed": seed}
     extra = {
         "cache": os.path.abspath(cache_dir),
         "target": Eagle3CacheDataset(cache_dir, keys=["input_ids"]).manifest.config.get("model"),
-        "training": {**trained, "steps": len(losses), "final_loss": losses[-1] if losses else math.nan},
+        "training": {**trained, "steps": len(losses), "final_loss": losses[-1]},
     }
     save_draft(draft, out, extra)
     return TrainResult(losses, len(losses), seconds)
