@@ -234,9 +234,16 @@ def save_draft(draft: Eagle3Draft, out: str, extra: Mapping[str, Any] | None = N
 
 def draft_record(path: str) -> dict[str, Any]:
     """What :func:`save_draft` recorded of a draft in its ``config.json``: ``draft_config``, ``cache`` (the
-    training cache), ``target``, ``training``."""
+    training cache), ``target``, ``training``.
+
+    Raises:
+        ValueError: the directory's ``config.json`` is not one :func:`save_draft` wrote.
+    """
     with open(os.path.join(path, CONFIG), encoding="utf-8") as f:
-        return json.load(f)["speccache"]
+        record = json.load(f).get("speccache")
+    if not isinstance(record, dict) or "draft_config" not in record:
+        raise ValueError(f"{path}/{CONFIG} has no speccache record: it is not a draft that speccache train wrote")
+    return record
 
 
 def load_draft(path: str) -> Eagle3Draft:
