@@ -225,3 +225,8 @@ def test_evaluate_cli_reports_both_measures(caches, trained, tmp_path, capsys):
     spec = body["speculative"]
     assert spec["prompts"] == 2 and spec["greedy"]["tau"] == 1.0
     assert all(spec[name]["identical_to_greedy"] for name in ("greedy", "draft", "prompt_lookup", "ngram"))
+
+
+def test_evaluate_refuses_a_chain_of_no_tokens_by_name(caches, trained, capsys):
+    assert main(["evaluate", trained[0], "--cache", caches["eval"], "--k", "0"]) == 2
+    assert "speccache evaluate: error: --k 0 must be at least 1" in capsys.readouterr().err

@@ -37,6 +37,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """Run ``speccache evaluate``."""
+    for name, value in (("--k", args.k), ("--max-new-tokens", args.max_new_tokens), ("--prompts", args.prompts)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} {value} must be at least 1")
     torch.set_num_threads(args.threads)
     from speccache.train.draft import draft_record, load_draft
     from speccache.train.evaluate import (
