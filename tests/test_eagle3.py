@@ -27,6 +27,7 @@ from speccache.methods.eagle3 import (
     build_eagle3_dataloader,
     check_aux_layers,
     default_aux_layers,
+    draft_view,
     select_draft_vocab,
     vocab_mapping,
 )
@@ -129,6 +130,11 @@ def _side(cache_dir: str) -> dict[str, torch.Tensor]:
     return {k: side.tensor(k).clone() for k in side.keys()}
 
 
+def _next_token_supervised(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Row t's supervision (the prediction of token t + 1) counts when token t + 1 is generated."""
+    return torch.cat([loss_mask[1:].bool(), torch.zeros(1, dtype=torch.bool)])
+
+
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Distance in bf16 representable steps between two bf16 tensors."""
 
@@ -208,7 +214,7 @@ def test_target_head_from_cache(runs, live):
         probs, mask = head(got["last_hidden_state"], got["loss_mask"], got["in_draft"])
         assert probs.dtype == torch.float32 and probs.shape == (len(got["input_ids"]), 300)
         torch.testing.assert_close(probs, torch.softmax(o["logits"][:, selected], -1), atol=1e-5, rtol=0)
-        assert torch.equal(mask, got["loss_mask"] & got["in_draft"])
+        assert torch.equal(mask, _next_token_supervised(got["loss_mask"]) & got["in_draft"])
 
 
 def test_batched_fp32_equals_live_forward_within_tolerance(runs, live):
@@ -293,7 +299,7 @@ def test_probs_supervision_and_draft_vocab(runs, live):
         in_draft = torch.isin(o["logits"].argmax(-1), selected)
         assert torch.equal(stored["in_draft"], in_draft)
         assert "in_draft" not in got
-        assert torch.equal(got["position_mask"], got["loss_mask"] & in_draft)
+        assert torch.equal(got["position_mask"], _next_token_supervised(got["loss_mask"]) & in_draft)
         some_in |= bool(in_draft.any())
         some_out |= bool((~in_draft & got["loss_mask"]).any())
     assert some_in and some_out, "the test needs positions on both sides of the draft vocabulary"
@@ -327,7 +333,7 @@ def test_topk_supervision_full_vocab(runs, live):
         assert dense.shape == (t, 1024) and "topk_ids" not in got and "topk_probs" not in got
         assert torch.equal((dense != 0).sum(-1), torch.full((t,), 8))
         assert torch.equal(dense.gather(1, ids), stored["topk_probs"])
-        assert torch.equal(got["position_mask"], got["loss_mask"])
+        assert torch.equal(got["position_mask"], _next_token_supervised(got["loss_mask"]))
 
 
 @pytest.mark.parametrize(
@@ -485,3 +491,26 @@ def test_shuffled_loader_uses_the_locality_sampler_and_resumes_mid_epoch(runs):
     rest = [batch["input_ids"] for batch in resumed]
     assert len(rest) == len(epoch) - consumed_batches
     assert all(torch.equal(a, b) for a, b in zip(rest, epoch[consumed_batches:]))
+
+
+@pytest.mark.parametrize("name", ["llama_probs_bs4", "llama_bs4"])
+def test_draft_view_slot_j_reads_aux_j_and_token_j_plus_1_and_is_graded_on_row_j_plus_1(runs, name):
+    out = runs(name)
+    head = TargetHead.from_cache(out)
+    for batch in build_eagle3_dataloader(out, 4, shuffle=False):
+        view = draft_view(batch, head)
+        if "target_probs" in batch:
+            probs, mask = batch["target_probs"], batch["position_mask"]
+        else:
+            probs, mask = head(batch["last_hidden_state"], batch["loss_mask"], batch.get("in_draft"))
+        for b, n in enumerate(batch["attention_mask"].sum(1).tolist()):
+            for j in range(n - 1):
+                assert torch.equal(view["hidden"][b, j], batch["aux_hidden_states"][b, j])
+                assert int(view["input_ids"][b, j]) == int(batch["input_ids"][b, j + 1])
+                assert torch.equal(view["target"][b, j], probs[b, j + 1])
+                assert bool(view["mask"][b, j]) == bool(mask[b, j + 1])
+                # counted when token j + 2 (what row j + 1 predicts) is generated, and (reduced vocabulary)
+                # row j + 1's argmax is in the draft vocabulary
+                generated = j + 2 < n and bool(batch["loss_mask"][b, j + 2])
+                assert bool(view["mask"][b, j]) == generated if name == "llama_bs4" else generated >= view["mask"][b, j]
+            assert not view["mask"][b, n - 1 :].any()

@@ -340,8 +340,38 @@ def _manifest_a_directory(e: Env) -> Any:
     return CacheDataset(p)
 
 
+def _train_into_a_draft(e: Env) -> Any:
+    from speccache.train.trainer import train
+
+    (e.tmp / "draft").mkdir()
+    _touch(e.tmp / "draft" / "config.json")
+    return train(e.cache(), str(e.tmp / "draft"))
+
+
+def _foreign_draft(e: Env) -> Any:
+    from speccache.train.draft import draft_record
+
+    (e.tmp / "draft").mkdir()
+    _touch(e.tmp / "draft" / "config.json", b'{"architectures": ["LlamaForCausalLMEagle3"]}')
+    return draft_record(str(e.tmp / "draft"))
+
+
+def _train(**kwargs: Any) -> Callable[[Env], Any]:
+    def run(e: Env) -> Any:
+        from speccache.train.trainer import train
+
+        return train(e.cache(), str(e.tmp / "draft"), **kwargs)
+
+    return run
+
+
 T = Callable[[Env], Any]
 TRIGGERS: dict[str, T] = {
+    # the reference draft
+    "already holds a draft": _train_into_a_draft,
+    "must be at least 1": _train(ttt_steps=0),
+    "must be a positive learning rate": _train(lr=0.0),
+    "is not a draft that speccache train wrote": _foreign_draft,
     # --shard-target / --tp-size
     "--shard-target": lambda e: check_shard_target("zero"),
     "runs under torchrun (it shards the target over the ranks)": lambda e: check_shard_target("tp", None, 1),

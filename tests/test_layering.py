@@ -29,6 +29,7 @@ RANKS = {
     "speccache.precompute": 4,
     "speccache.compat": 4,
     "speccache.testing": 4,
+    "speccache.train": 4,
     "speccache.cli": 5,
     "speccache.offline_cache": 5,
     "speccache.demo": 6,

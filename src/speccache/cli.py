@@ -1,4 +1,4 @@
-"""The ``speccache`` command line: ``precompute``, ``inspect``, ``verify``, ``estimate``.
+"""The ``speccache`` command line: ``precompute``, ``inspect``, ``verify``, ``estimate``, ``train``, ``evaluate``...
 
 Exit codes: 0 success, 1 a failed check or a speccache error (message on
 stderr, no traceback), 2 bad usage.
@@ -227,8 +227,9 @@ def _method_commands() -> list[Callable[[Any], None]]:
     from speccache.precompute.audit import register_commands as register_audit
     from speccache.precompute.estimate import register_commands as register_estimate
     from speccache.precompute.run import register_commands
+    from speccache.train.commands import register_commands as register_train
 
-    return [register_commands, register_estimate, register_audit, register_export]
+    return [register_commands, register_estimate, register_audit, register_export, register_train]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

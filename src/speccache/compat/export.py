@@ -30,7 +30,11 @@ sample's first token, so a sample of ``T`` slots becomes ``T - 1`` speccache row
 being the target's state after the sample's token ``r + 1``: ``aux_hidden_states`` of slot
 ``r + 1`` and the token, loss mask, distribution and position mask of slot ``r``; every
 value NeMo's trainer reads at slots ``1..T-1`` is kept as it is (slot 0's draft step is
-what the first token would have fed). A NeMo DSpark cache has no attention mask, so its
+what the first token would have fed). NeMo's ``position_mask`` becomes ``in_draft``: the
+reader's row-aligned ``position_mask[r] = loss_mask[r + 1] & in_draft[r]`` then supervises
+the rows that predict a generated token; with a reduced draft vocabulary it leaves out the
+row predicting each turn's first generated token, since NeMo's cache does not record whether
+that row's argmax is in the draft vocabulary (its slot is outside NeMo's loss mask). A NeMo DSpark cache has no attention mask, so its
 padding cannot be told from tokens: it is not imported.
 
 Export streams one output shard at a time (memory bounded by one padded shard),

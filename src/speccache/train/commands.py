@@ -1,0 +1,117 @@
+"""``speccache train`` and ``speccache evaluate``: their arguments and commands. The draft, trainer and evaluator
+(and transformers) are imported only when a command runs, so ``speccache --help`` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import torch
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Run ``speccache train``."""
+    torch.set_num_threads(args.threads)
+    from speccache.train.trainer import train
+
+    result = train(
+        args.cache_dir,
+        args.out,
+        epochs=args.epochs,
+        lr=args.lr,
+        ttt_steps=args.ttt_steps,
+        batch_size=args.batch_size,
+        max_steps=args.max_steps,
+        seed=args.seed,
+        log=lambda line: print(line, flush=True),
+    )
+    first = sum(result.losses[:10]) / max(1, len(result.losses[:10]))
+    last = sum(result.losses[-10:]) / max(1, len(result.losses[-10:]))
+    print(
+        f"{args.out}: EAGLE-3 draft trained {result.steps} steps in {result.seconds:.1f}s; "
+        f"loss {first:.4f} (first 10 steps) -> {last:.4f} (last 10)"
+    )
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    """Run ``speccache evaluate``."""
+    for name, value in (("--k", args.k), ("--max-new-tokens", args.max_new_tokens), ("--prompts", args.prompts)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} {value} must be at least 1")
+    torch.set_num_threads(args.threads)
+    from speccache.train.draft import draft_record, load_draft
+    from speccache.train.evaluate import (
+        DraftProposer,
+        NgramTable,
+        PromptLookup,
+        Proposer,
+        TargetRunner,
+        eos_ids,
+        eval_prompts,
+        speculative,
+        teacher_forced,
+    )
+
+    draft = load_draft(args.draft)
+    train_cache = args.train_cache or draft_record(args.draft).get("cache")
+    ngram = NgramTable.from_cache(train_cache) if train_cache else None
+    report: dict[str, Any] = {"draft": args.draft, "train_cache": train_cache, "cache": args.cache, "k": args.k}
+    tf = teacher_forced(draft, args.cache, args.k, ngram)
+    report["teacher_forced"] = tf
+    chains = tf["draft"]["chains"]
+    print(f"teacher-forced on {args.cache}: {chains} chain starts, k={args.k}")
+    for name, r in tf.items():
+        steps = " ".join(f"{p:.3f}" for p in r["per_step"])
+        print(f"  {name:<14} per-step acceptance {steps}  mean accepted length {r['mean_accepted']:.3f}")
+    if args.model:
+        from transformers import AutoModelForCausalLM
+
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.model_dtype]
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+        runner = TargetRunner(model, draft.config.aux_layers)
+        prompts = eval_prompts(args.cache, args.prompts)
+        proposers: dict[str, Proposer] = {"draft": DraftProposer(draft), "prompt_lookup": PromptLookup()}
+        if ngram is not None:
+            proposers["ngram"] = ngram
+        spec = speculative(runner, prompts, proposers, args.k, args.max_new_tokens, eos_ids(model))
+        report["speculative"] = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, **spec}
+        print(f"speculative greedy decoding, {len(prompts)} prompts, k={args.k}, max {args.max_new_tokens} new tokens:")
+        for name, r in spec.items():
+            print(
+                f"  {name:<14} tau {r['tau']:.3f}  {r['tokens']} tokens in {r['seconds']:.1f}s  "
+                f"speed-up {r['speedup']:.2f}x  identical to greedy: {'yes' if r['identical_to_greedy'] else 'NO'}"
+            )
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    spec_ok = all(r["identical_to_greedy"] for r in report.get("speculative", {}).values() if isinstance(r, dict))
+    return 0 if spec_ok else 1
+
+
+def register_commands(sub: Any) -> None:
+    """Add ``train`` and ``evaluate`` to the CLI's subparsers."""
+    p = sub.add_parser("train", help="train the reference EAGLE-3 draft from an EAGLE-3 cache")
+    p.add_argument("cache_dir", help="an EAGLE-3 cache (speccache precompute --method eagle3)")
+    p.add_argument("--out", required=True, help="the draft directory to write (config.json + model.safetensors)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--ttt-steps", type=int, default=1, help="training-time-test steps (1: plain EAGLE training)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest on a busy CPU)")
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("evaluate", help="measure a draft's acceptance: teacher-forced on a cache, and real decoding")
+    p.add_argument("draft", help="a draft directory written by speccache train")
+    p.add_argument("--cache", required=True, help="a held-out EAGLE-3 cache of the same target")
+    p.add_argument("--model", default=None, help="the target model directory: also run greedy speculative decoding")
+    p.add_argument("--train-cache", default=None, help="the n-gram baseline's data (default: the draft's cache)")
+    p.add_argument("--k", type=int, default=3, help="tokens drafted per chain (default 3)")
+    p.add_argument("--prompts", type=int, default=None, help="decode at most this many prompts of --cache")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--model-dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest on a busy CPU)")
+    p.add_argument("--json", default=None, help="also write the report to this JSON file")
+    p.set_defaults(func=cmd_evaluate)

@@ -1,0 +1,257 @@
+"""The reference EAGLE-3 draft: fc fusion of the aux states, one decoder layer, a draft-vocabulary head.
+
+Per slot ``j`` (see :func:`speccache.methods.eagle3.draft_view`) the draft reads the fused aux state
+``fc(aux[j])`` and the embedding of ``input_ids[j + 1]`` (the target's frozen embedding), runs one Llama
+decoder layer over ``[input_layernorm(embedding); hidden_norm(state)]`` (so ``q/k/v_proj`` take ``2H``
+inputs, as in published EAGLE-3 drafts), and predicts row ``j + 1``'s distribution with
+``lm_head(norm(out))``. Its output state ``out`` is what it feeds itself at the next step.
+
+Training-time test (``steps > 1``): step ``a`` at slot ``j`` reads the draft's own state of step ``a - 1`` at
+slot ``j - 1`` instead of ``fc(aux[j])``; its queries see the true states of slots ``<= j - a`` and its own
+chain (step ``b`` at slot ``j - (a - b)``), exactly what a chain of drafted tokens sees at inference, where
+the chain's slots simply follow the context.
+
+Saved as published EAGLE-3 llama drafts are (SpecForge, vLLM): ``config.json`` (``LlamaForCausalLMEagle3``,
+``draft_vocab_size``, ``target_hidden_size``, ``eagle_config.eagle_aux_hidden_state_layer_ids``) and
+``model.safetensors`` with ``embed_tokens.weight``, ``fc.weight``, ``midlayer.*``, ``norm.weight``,
+``lm_head.weight``, ``d2t`` (``target_id = draft_id + d2t[draft_id]``) and ``t2d``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from speccache.format.durable import atomic_write
+
+__all__ = ["DraftConfig", "Eagle3Draft", "check_new_draft_dir", "draft_record", "load_draft", "save_draft"]
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+
+@dataclass
+class DraftConfig:
+    """The draft's shape: the target's hidden size and vocabularies, a small layer."""
+
+    hidden_size: int
+    vocab_size: int
+    draft_vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    aux_layers: list[int] = field(default_factory=list)
+
+    def llama(self) -> LlamaConfig:
+        """The transformers config of the decoder layer (sdpa attention, so a boolean mask can be passed)."""
+        config = LlamaConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings,
+            vocab_size=self.vocab_size,
+            num_hidden_layers=1,
+        )
+        config._attn_implementation = "sdpa"
+        return config
+
+
+class DraftLayer(nn.Module):
+    """One Llama decoder layer over ``[embedding; state]``: the attention reads ``2H``, the residual is the state."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.self_attn = LlamaAttention(config, layer_idx=0)
+        for name, width in (("q_proj", config.num_attention_heads), ("k_proj", config.num_key_value_heads)):
+            setattr(self.self_attn, name, nn.Linear(2 * hidden, width * config.head_dim, bias=False))
+        self.self_attn.v_proj = nn.Linear(2 * hidden, config.num_key_value_heads * config.head_dim, bias=False)
+        self.mlp = LlamaMLP(config)
+        self.hidden_norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.input_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+
+    def forward(
+        self, embeds: torch.Tensor, state: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor
+    ) -> torch.Tensor:
+        """``[B, S, H]`` embeddings and states in, ``[B, S, H]`` states out; ``mask`` ``[S, S]`` bool (True: attend)."""
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(state)], dim=-1)
+        attn, _ = self.self_attn(x, position_embeddings=rotary, attention_mask=mask[None, None])
+        state = state + attn
+        return state + self.mlp(self.post_attention_layernorm(state))
+
+
+def chain_mask(length: int, steps: int, device: torch.device | None = None) -> torch.Tensor:
+    """The attention mask of ``steps`` training-time-test blocks of ``length`` slots each, ``[S, S]`` bool.
+
+    Query (step ``a``, slot ``j``) attends to key (step 0, slot ``i``) for ``i <= j - a`` and to key
+    (step ``b``, slot ``j - (a - b)``) for ``1 <= b <= a``: the true context before its chain, then the chain.
+    """
+    j = torch.arange(length, device=device)
+    blocks = []
+    for a in range(steps):
+        row = []
+        for b in range(steps):
+            if b == 0:
+                row.append(j[None, :] <= j[:, None] - a)
+            elif b <= a:
+                row.append(j[None, :] == j[:, None] - (a - b))
+            else:
+                row.append(torch.zeros(length, length, dtype=torch.bool, device=device))
+        blocks.append(torch.cat(row, dim=1))
+    return torch.cat(blocks, dim=0)
+
+
+class Eagle3Draft(nn.Module):
+    """The EAGLE-3 draft (see the module docstring).
+
+    Args:
+        config: its shape.
+        embed_tokens: ``[V, H]`` the target's input embedding (frozen).
+        lm_head: ``[Vd, H]`` the target's LM-head rows of the draft vocabulary (the head's initial weights).
+        d2t: ``[Vd]`` int64 offsets, ``target_id = draft_id + d2t[draft_id]``.
+        t2d: ``[V]`` bool, whether a target id is in the draft vocabulary.
+    """
+
+    def __init__(
+        self,
+        config: DraftConfig,
+        embed_tokens: torch.Tensor,
+        lm_head: torch.Tensor,
+        d2t: torch.Tensor,
+        t2d: torch.Tensor,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        llama = config.llama()
+        self.embed_tokens = nn.Embedding.from_pretrained(embed_tokens.float().clone(), freeze=True)
+        self.fc = nn.Linear(3 * hidden, hidden, bias=False)
+        self.midlayer = DraftLayer(llama)
+        self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(lm_head.float())
+        self.rotary = LlamaRotaryEmbedding(llama)
+        self.register_buffer("d2t", d2t.to(torch.int64).clone())
+        self.register_buffer("t2d", t2d.to(torch.bool).clone())
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids of draft-vocabulary ids."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def layer(
+        self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """The decoder layer over ``[B, S]`` slots at ``positions`` ``[S]`` under ``mask`` ``[S, S]``."""
+        rotary = self.rotary(states, positions[None].expand(states.shape[0], -1))
+        return self.midlayer(embeds, states, rotary, mask)
+
+    def logits(self, states: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of output states."""
+        return self.lm_head(self.norm(states))
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, steps: int = 1) -> list[torch.Tensor]:
+        """Logits ``[B, T, Vd]`` of each training-time-test step over aligned slots (``draft_view``'s ``hidden``
+        ``[B, T, 3H]`` and ``input_ids`` ``[B, T]``); step ``a``'s slots ``j < a`` have no chain and mean nothing."""
+        batch, length = input_ids.shape
+        embeds = self.embed_tokens(input_ids.long())
+        slots = torch.arange(length, device=input_ids.device)
+        states = [self.fc(hidden.to(self.fc.weight.dtype))]
+        logits = []
+        for a in range(steps):
+            mask = chain_mask(length, a + 1, input_ids.device)
+            out = self.layer(embeds.repeat(1, a + 1, 1), torch.cat(states, dim=1), slots.repeat(a + 1), mask)
+            out = out[:, a * length :]
+            logits.append(self.logits(out))
+            # the next step reads this step's state one slot later
+            states.append(torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1))
+        return logits
+
+
+def check_new_draft_dir(out: str) -> None:
+    """Refuse a directory that already holds a draft (nothing that exists is overwritten).
+
+    Raises:
+        FileExistsError: ``out`` holds a ``config.json`` or ``model.safetensors``.
+    """
+    if os.path.exists(os.path.join(out, WEIGHTS)) or os.path.exists(os.path.join(out, CONFIG)):
+        raise FileExistsError(f"--out {out} already holds a draft; choose a new directory")
+
+
+def save_draft(draft: Eagle3Draft, out: str, extra: Mapping[str, Any] | None = None) -> None:
+    """Write ``config.json`` and ``model.safetensors`` (published EAGLE-3 key names) into the directory ``out``.
+
+    Raises:
+        FileExistsError: ``out`` already holds a draft (see :func:`check_new_draft_dir`).
+    """
+    check_new_draft_dir(out)
+    os.makedirs(out, exist_ok=True)
+    c = draft.config
+    config = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "target_hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.aux_layers), "use_aux_hidden_state": True},
+        "speccache": {"draft_config": asdict(c), **dict(extra or {})},
+    }
+    tensors = {k: v.detach().contiguous() for k, v in draft.state_dict().items()}
+    atomic_write(os.path.join(out, WEIGHTS), lambda tmp: save_file(tensors, tmp))
+    text = json.dumps(config, indent=2) + "\n"
+    atomic_write(os.path.join(out, CONFIG), lambda tmp: open(tmp, "w", encoding="utf-8").write(text))
+
+
+def draft_record(path: str) -> dict[str, Any]:
+    """What :func:`save_draft` recorded of a draft in its ``config.json``: ``draft_config``, ``cache`` (the
+    training cache), ``target``, ``training``.
+
+    Raises:
+        ValueError: the directory's ``config.json`` is not one :func:`save_draft` wrote.
+    """
+    with open(os.path.join(path, CONFIG), encoding="utf-8") as f:
+        record = json.load(f).get("speccache")
+    if not isinstance(record, dict) or "draft_config" not in record:
+        raise ValueError(f"{path}/{CONFIG} has no speccache record: it is not a draft that speccache train wrote")
+    return record
+
+
+def load_draft(path: str) -> Eagle3Draft:
+    """Load a draft :func:`save_draft` wrote."""
+    config = DraftConfig(**draft_record(path)["draft_config"])
+    tensors = load_file(os.path.join(path, WEIGHTS))
+    draft = Eagle3Draft(
+        config, tensors["embed_tokens.weight"], tensors["lm_head.weight"], tensors["d2t"], tensors["t2d"]
+    )
+    draft.load_state_dict(tensors)
+    return draft

@@ -1,0 +1,340 @@
+"""``speccache evaluate``: how much a draft would speed up its target, measured two ways, against two baselines.
+
+1. **Teacher-forced, on a held-out cache.** For each chain start ``s`` whose ``position_mask`` counts (the
+   target's distribution at row ``s + 1``), the draft's training-time-test steps ``a = 0..k-1`` predict rows
+   ``s + 1 + a``; a step is accepted when its token (a target id) is the target's argmax and every earlier step
+   was. Reported: per-step acceptance (step ``a`` accepted given steps ``< a`` were) and the mean accepted
+   length (0..k).
+2. **Greedy speculative decoding with the target** (Hugging Face, batch 1, KV cache): the proposer drafts a
+   chain of up to ``k`` tokens, the target verifies them in one forward and keeps the longest prefix that
+   equals its own greedy choice plus its next token. Reported: tau (new tokens per target forward, prefill
+   included, so plain greedy decoding has tau 1) and the wall-clock speed-up over plain greedy decoding
+   through the same loop. The output equals the target's own greedy output token for token.
+
+Baselines: prompt lookup (the continuation of the latest earlier occurrence of the last 3, 2 or 1 tokens in
+the sequence so far) and an n-gram table of the training cache (the most frequent generated token after the
+last two tokens, else after the last one).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from speccache.methods.decoder import decoder_layers
+from speccache.methods.eagle3 import Eagle3CacheDataset, TargetHead, build_eagle3_dataloader, draft_view
+from speccache.train.draft import Eagle3Draft
+
+__all__ = [
+    "DraftProposer",
+    "NgramTable",
+    "PromptLookup",
+    "Proposer",
+    "TargetRunner",
+    "acceptance",
+    "eos_ids",
+    "eval_prompts",
+    "speculative_generate",
+    "teacher_forced",
+]
+
+
+class Proposer(Protocol):
+    """Drafts up to ``k`` next tokens of ``tokens``; ``aux`` holds the target's aux rows of ``tokens[:-1]``."""
+
+    def propose(self, tokens: Sequence[int], aux: torch.Tensor, k: int) -> list[int]: ...
+
+
+class PromptLookup:
+    """Prompt-lookup decoding: the tokens that followed the latest earlier occurrence of the last ``n`` tokens."""
+
+    def __init__(self, max_ngram: int = 3) -> None:
+        self.max_ngram = max_ngram
+
+    def propose(self, tokens: Sequence[int], aux: torch.Tensor | None, k: int) -> list[int]:
+        """Up to ``k`` tokens (none when no suffix of up to ``max_ngram`` tokens occurred before)."""
+        seq = list(tokens)
+        for n in range(min(self.max_ngram, len(seq) - 1), 0, -1):
+            pattern = seq[-n:]
+            for start in range(len(seq) - n - 1, -1, -1):
+                if seq[start : start + n] == pattern:
+                    return seq[start + n : start + n + k]
+        return []
+
+
+class NgramTable:
+    """The most frequent generated token after two tokens (else after one) in a training cache."""
+
+    def __init__(self, samples: Sequence[Mapping[str, torch.Tensor]]) -> None:
+        tri: defaultdict[tuple[int, int], Counter[int]] = defaultdict(Counter)
+        bi: defaultdict[int, Counter[int]] = defaultdict(Counter)
+        for sample in samples:
+            ids, mask = sample["input_ids"].tolist(), sample["loss_mask"].tolist()
+            for t in range(1, len(ids)):
+                if mask[t]:
+                    bi[ids[t - 1]][ids[t]] += 1
+                    if t >= 2:
+                        tri[(ids[t - 2], ids[t - 1])][ids[t]] += 1
+        # most_common breaks ties by first occurrence, which is deterministic for a given cache
+        self.tri = {key: c.most_common(1)[0][0] for key, c in tri.items()}
+        self.bi = {key: c.most_common(1)[0][0] for key, c in bi.items()}
+
+    @classmethod
+    def from_cache(cls, cache_dir: str) -> NgramTable:
+        """The table of every sample of an EAGLE-3 cache."""
+        ds = Eagle3CacheDataset(cache_dir, keys=["input_ids", "loss_mask"])
+        return cls([ds[i] for i in range(len(ds))])
+
+    def next(self, a: int | None, b: int) -> int | None:
+        """The predicted token after ``a, b`` (``a`` may be None)."""
+        found = self.tri.get((a, b)) if a is not None else None
+        return found if found is not None else self.bi.get(b)
+
+    def propose(self, tokens: Sequence[int], aux: torch.Tensor | None, k: int) -> list[int]:
+        """Up to ``k`` tokens, each predicted from the two before it."""
+        seq = list(tokens)
+        out: list[int] = []
+        while len(out) < k:
+            token = self.next(seq[-2] if len(seq) >= 2 else None, seq[-1])
+            if token is None:
+                break
+            out.append(token)
+            seq.append(token)
+        return out
+
+
+class DraftProposer:
+    """The EAGLE-3 draft as a proposer: slots ``0..n-2`` read the target's aux rows and the next token, then each
+    drafted token's slot reads the draft's own previous state (no KV cache: the layer reruns over the sequence)."""
+
+    def __init__(self, draft: Eagle3Draft) -> None:
+        self.draft = draft.eval()
+
+    @torch.no_grad()
+    def propose(self, tokens: Sequence[int], aux: torch.Tensor, k: int) -> list[int]:
+        """Up to ``k`` tokens (target ids)."""
+        draft = self.draft
+        ids = torch.tensor(list(tokens[1:]), dtype=torch.long)[None]
+        states = draft.fc(aux.to(draft.fc.weight.dtype))[None]
+        out: list[int] = []
+        for _ in range(k):
+            length = ids.shape[1]
+            causal = torch.ones(length, length, dtype=torch.bool).tril()
+            result = draft.layer(draft.embed_tokens(ids), states, torch.arange(length), causal)
+            token = int(draft.draft_to_target(draft.logits(result[:, -1]).argmax(-1))[0])
+            out.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+            states = torch.cat([states, result[:, -1:]], dim=1)
+        return out
+
+
+class TargetRunner:
+    """The HF target with a KV cache, returning its logits and the concatenated aux-layer outputs of new tokens."""
+
+    def __init__(self, model: nn.Module, aux_layers: Sequence[int]) -> None:
+        self.model = model.eval()
+        self.layers = decoder_layers(model)
+        self.aux_layers = list(aux_layers)
+
+    @torch.no_grad()
+    def __call__(self, ids: Sequence[int], cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits [n, V] fp32, aux [n, 3H])`` of ``ids`` appended to ``cache``."""
+        captured: dict[int, torch.Tensor] = {}
+
+        def hook(index: int) -> Any:
+            def capture(_module: nn.Module, _args: Any, output: Any) -> None:
+                captured[index] = output[0] if isinstance(output, tuple) else output
+
+            return capture
+
+        handles = [self.layers[i].register_forward_hook(hook(i)) for i in self.aux_layers]
+        try:
+            out = self.model(input_ids=torch.tensor([list(ids)]), cache=cache, use_cache=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        aux = torch.cat([captured[i][0] for i in self.aux_layers], dim=-1)
+        return out.logits[0].float(), aux.float()
+
+
+def speculative_generate(
+    runner: TargetRunner,
+    prompt: Sequence[int],
+    proposer: Proposer | None,
+    k: int,
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+) -> tuple[list[int], int]:
+    """Greedy decoding of ``prompt`` verified chain by chain; ``(new tokens, target forwards)``.
+
+    With ``proposer`` None it is plain greedy decoding (one token per forward). Stops after an eos token or
+    ``max_new_tokens`` tokens.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    logits, aux = runner(prompt, cache)
+    tokens = [*prompt, int(logits[-1].argmax())]
+    forwards = 1
+    eos = set(eos_ids)
+    while len(tokens) - len(prompt) < max_new_tokens and tokens[-1] not in eos:
+        left = max_new_tokens - (len(tokens) - len(prompt))
+        drafted = proposer.propose(tokens, aux, min(k, left - 1)) if proposer is not None and left > 1 else []
+        logits, new_aux = runner([tokens[-1], *drafted], cache)
+        forwards += 1
+        choice = logits.argmax(-1).tolist()  # choice[i]: the target's token after tokens[-1], drafted[:i]
+        m = 0
+        while m < len(drafted) and drafted[m] == choice[m]:
+            m += 1
+        if len(drafted) > m:
+            cache.crop(-(len(drafted) - m))
+        aux = torch.cat([aux, new_aux[: m + 1]])
+        tokens += [*drafted[:m], choice[m]]
+    new = tokens[len(prompt) :][:max_new_tokens]
+    for i, token in enumerate(new):
+        if token in eos:
+            return new[: i + 1], forwards
+    return new, forwards
+
+
+def acceptance(correct: Sequence[torch.Tensor], mask: torch.Tensor) -> dict[str, Any]:
+    """Chain acceptance from per-step correctness.
+
+    Args:
+        correct: per step ``a``, ``[B, S]`` bool: the prediction made at slot ``j`` for row ``j + 1`` at step ``a``
+            (a chain started at slot ``j - a``) is the target's argmax.
+        mask: ``[B, S]`` bool, the slots whose row counts.
+
+    Returns:
+        ``chains`` (starts counted), ``per_step`` (step ``a`` accepted given the steps before were) and
+        ``mean_accepted`` (mean accepted length of a chain of ``len(correct)`` steps).
+    """
+    steps = len(correct)
+    alive = mask.clone()
+    reached = [int(alive.sum())]
+    total = torch.zeros_like(mask, dtype=torch.long)
+    for a in range(steps):
+        ok = torch.zeros_like(mask)
+        ok[:, : mask.shape[1] - a] = (correct[a] & mask)[:, a:]
+        alive &= ok
+        total += alive
+        reached.append(int(alive.sum()))
+    chains = reached[0]
+    return {
+        "chains": chains,
+        "per_step": [reached[a + 1] / reached[a] if reached[a] else 0.0 for a in range(steps)],
+        "mean_accepted": float(total.sum()) / chains if chains else 0.0,
+    }
+
+
+def _lookup_correct(tokens: torch.Tensor, target_ids: torch.Tensor, mask: torch.Tensor, predict: Any) -> torch.Tensor:
+    """``[B, S]``: whether ``predict(tokens up to j + 1)`` is row ``j + 1``'s argmax, at the counted slots."""
+    out = torch.zeros_like(mask)
+    for b, j in torch.nonzero(mask).tolist():
+        guess = predict(tokens[b, : j + 2].tolist())
+        out[b, j] = guess is not None and guess == int(target_ids[b, j])
+    return out
+
+
+@torch.no_grad()
+def teacher_forced(
+    draft: Eagle3Draft, cache_dir: str, steps: int, ngram: NgramTable | None = None, batch_size: int = 8
+) -> dict[str, dict[str, Any]]:
+    """Teacher-forced chain acceptance of the draft (and the baselines) on an EAGLE-3 cache.
+
+    Predictions and the target's argmax are compared as target ids, so the cache's draft vocabulary may differ
+    from the draft's.
+    """
+    draft.eval()
+    head = TargetHead.from_cache(cache_dir)
+    lookup = PromptLookup()
+    correct: dict[str, list[list[torch.Tensor]]] = {"draft": [[] for _ in range(steps)]}
+    if ngram is not None:
+        correct["ngram"] = [[]]
+    correct["prompt_lookup"] = [[]]
+    masks = []
+    for batch in build_eagle3_dataloader(cache_dir, batch_size=batch_size, shuffle=False):
+        view = draft_view(batch, head)
+        target_ids = head.selected_token_ids[view["target"].argmax(-1)]
+        for a, logits in enumerate(draft(view["hidden"].float(), view["input_ids"], steps)):
+            correct["draft"][a].append(draft.draft_to_target(logits.argmax(-1)) == target_ids)
+        tokens = batch["input_ids"].long()
+        if ngram is not None:
+            correct["ngram"][0].append(
+                _lookup_correct(tokens, target_ids, view["mask"], lambda s: ngram.next(s[-2], s[-1]))
+            )
+        correct["prompt_lookup"][0].append(
+            _lookup_correct(tokens, target_ids, view["mask"], lambda s: next(iter(lookup.propose(s, None, 1)), None))
+        )
+        masks.append(view["mask"])
+    width = max(m.shape[1] for m in masks)
+
+    def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+
+    mask = joined(masks)
+    results = {}
+    for name, per_step in correct.items():
+        tensors = [joined(p) for p in per_step]
+        # a baseline predicts each row from the true tokens before it, the same way at every step
+        results[name] = acceptance(tensors if len(tensors) == steps else tensors * steps, mask)
+    return results
+
+
+def eval_prompts(cache_dir: str, limit: int | None) -> list[list[int]]:
+    """Prompts from a cache: each sample's tokens before its first generated token (samples without one skipped)."""
+    ds = Eagle3CacheDataset(cache_dir, keys=["input_ids", "loss_mask"])
+    prompts = []
+    for i in range(len(ds)):
+        sample = ds[i]
+        first = torch.nonzero(sample["loss_mask"]).flatten()
+        if len(first) and int(first[0]) > 0:
+            prompts.append(sample["input_ids"][: int(first[0])].tolist())
+        if limit is not None and len(prompts) >= limit:
+            break
+    return prompts
+
+
+def speculative(
+    runner: TargetRunner,
+    prompts: Sequence[Sequence[int]],
+    proposers: Mapping[str, Proposer],
+    k: int,
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+) -> dict[str, dict[str, Any]]:
+    """tau, seconds and speed-up of each proposer against plain greedy decoding, and whether outputs agree."""
+    runs: dict[str, dict[str, Any]] = {}
+    greedy: list[list[int]] = []
+    if prompts:  # a first forward pays one-time costs (allocations, kernel choice) that no method should be timed on
+        speculative_generate(runner, prompts[0], None, k, 2, eos_ids)
+    for name, proposer in {"greedy": None, **proposers}.items():
+        tokens = forwards = 0
+        identical = True
+        started = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            new, n = speculative_generate(runner, prompt, proposer, k, max_new_tokens, eos_ids)
+            if proposer is None:
+                greedy.append(new)
+            identical &= new == greedy[i]
+            tokens += len(new)
+            forwards += n
+        seconds = time.perf_counter() - started
+        runs[name] = {"tokens": tokens, "forwards": forwards, "tau": tokens / max(forwards, 1), "seconds": seconds}
+        runs[name]["identical_to_greedy"] = identical
+    for run in runs.values():
+        run["speedup"] = runs["greedy"]["seconds"] / run["seconds"] if run["seconds"] else 0.0
+    return runs
+
+
+def eos_ids(model: nn.Module) -> list[int]:
+    """The token ids that end a generation: the generation config's eos ids, else the config's."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = model.config.eos_token_id
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
