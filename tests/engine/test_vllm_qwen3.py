@@ -13,7 +13,7 @@ require_vllm()
 
 pytestmark = pytest.mark.usefixtures("offline_single_thread")
 
-FLAGS = ["--method", "layers", "--layers", "-1,0", "--last-hidden", "--last-prenorm", "--limit", "10",
+FLAGS = ["--method", "layers", "--layers=-1,0", "--last-hidden", "--last-prenorm", "--limit", "10",
          "--max-length", "128", "--batch-size", "5", "--shard-size", "5", "--dtype", "fp32", "--model-dtype", "fp32",
          "--quiet"]  # fmt: skip
 

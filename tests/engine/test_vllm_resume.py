@@ -37,8 +37,8 @@ def test_a_killed_vllm_run_resumes(vllm_models, tmp_path):
         timeout=600,
     )
     assert killed.returncode == -9, killed.stderr[-3000:]
-    partial = Manifest.read(out)
-    assert not partial.complete and partial.shards  # killed after some shards, before the seal
+    assert not Manifest.read(out).complete
+    assert any(name.startswith("shard-") for name in os.listdir(out))  # killed after some shards
     assert main([*argv, "--out", out, "--engine", "vllm", "--resume"]) == 0
     assert verify_cache(out).ok
     assert_caches_close(hf, out)
