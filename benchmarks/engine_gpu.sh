@@ -5,13 +5,15 @@
 #   benchmarks/engine_gpu.sh MODEL_DIR [DATA] [LIMIT]
 #
 # MODEL_DIR: a local Hugging Face model directory (safetensors). DATA: chat data (default: the demo data).
-# LIMIT: samples (default 2000). Needs an environment with speccache[vllm] (GPU vLLM) installed; VENV overrides it.
+# LIMIT: samples (default 2000). TP (environment): vLLM's --tensor-parallel-size for the precompute run (default 1).
+# Needs an environment with speccache[vllm] (GPU vLLM) installed; VENV names it if it is not the active one.
 # Writes bench-out/engine-gpu/{report.md,hf,vllm}; the report is what to paste into docs/benchmarks.md.
 set -euo pipefail
 MODEL=${1:?usage: benchmarks/engine_gpu.sh MODEL_DIR [DATA] [LIMIT]}
-DATA=${2:-$(python -c 'from speccache.demo import demo_data_path; print(demo_data_path("sharegpt"))')}
-LIMIT=${3:-2000}
 PY=${VENV:+$VENV/bin/}python
+DATA=${2:-$("$PY" -c 'from speccache.demo import demo_data_path; print(demo_data_path("sharegpt"))')}
+LIMIT=${3:-2000}
+TP=${TP:-1}
 OUT=bench-out/engine-gpu
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -21,7 +23,8 @@ for ENGINE in hf vllm; do
     rm -rf "${OUT:?}/$ENGINE"
     # vLLM is given large batches: it schedules them itself, without padding.
     BATCH=$([ "$ENGINE" = vllm ] && echo 256 || echo 8)
+    PARALLEL=$([ "$ENGINE" = vllm ] && echo "--tensor-parallel-size $TP" || true)
     "$PY" -m speccache precompute --model "$MODEL" --data "$DATA" --out "$OUT/$ENGINE" --limit "$LIMIT" \
-        --engine "$ENGINE" --batch-size "$BATCH" --shard-size 256 --model-dtype bf16 >"$OUT/$ENGINE.log" 2>&1
+        --engine "$ENGINE" --batch-size "$BATCH" --shard-size 256 --model-dtype bf16 $PARALLEL >"$OUT/$ENGINE.log" 2>&1
     echo "$ENGINE (--batch-size $BATCH): $(grep '^speccache:' "$OUT/$ENGINE.log")" | tee -a "$OUT/report.md"
 done

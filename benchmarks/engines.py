@@ -44,7 +44,7 @@ def main() -> None:
     from speccache.methods.decoder import final_norm
     from speccache.methods.eagle3 import Eagle3Target, Supervision
     from speccache.precompute.run import PrecomputeConfig, TokenizedDataset, batch_pad_id, make_plan, pad_tokens
-    from speccache.precompute.target import load_outer_modules, load_target
+    from speccache.precompute.target import load_outer_modules, load_target, target_device
 
     torch.set_num_threads(args.threads)
     model_dir = args.model or build_tiny_model_dir("bench-out/engines-llama32", "llama", head_dim=32)
@@ -79,7 +79,7 @@ def main() -> None:
         return time.perf_counter() - start, sum(int(b["input_ids"].numel()) for b in todo)
 
     rows = []
-    hf = Eagle3Target(load_target(model_dir, args.model_dtype, torch.device("cpu")).model, plan.aux_layers,
+    hf = Eagle3Target(load_target(model_dir, args.model_dtype, target_device(None)).model, plan.aux_layers,
                       supervision, selected, torch.float32)  # fmt: skip
     seconds, computed = timed(hf, args.batch_size)
     rows.append(("hf", f"padded batches of {args.batch_size}, dataset order", seconds, computed))

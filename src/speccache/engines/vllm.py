@@ -16,7 +16,11 @@ across runs, within floating-point tolerance rather than byte for byte.
 
 from __future__ import annotations
 
+import importlib
 import os
+import shutil
+import tempfile
+import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -29,7 +33,7 @@ ENGINES = ("hf", "vllm")
 """What ``--engine`` accepts: transformers (the default) or vLLM."""
 
 _CONNECTOR = "speccache.engines._vllm_connector"
-_MAX_DRAIN_STEPS = 100
+_HANDOFF_TIMEOUT_S = 120
 _DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -109,6 +113,8 @@ class VllmEngine:
         dtype: ``auto`` or a ``--model-dtype`` name.
         max_model_len: the longest sequence it will be given.
         tensor_parallel_size: vLLM's tensor parallelism.
+        handoff: ``auto`` (in memory where vLLM's rank 0 worker runs in this process, else over a Unix socket) or
+            ``socket`` (always over the socket).
         engine_args: further ``vllm.LLM`` arguments (e.g. ``enable_prefix_caching``).
     """
 
@@ -120,9 +126,11 @@ class VllmEngine:
         dtype: str = "auto",
         max_model_len: int,
         tensor_parallel_size: int = 1,
+        handoff: str = "auto",
         **engine_args: Any,
     ) -> None:
         self.model = model
+        self.handoff = handoff
         self.layer_ids = sorted(set(layer_ids))
         self.engine_args = {
             "dtype": _DTYPES[dtype],
@@ -140,6 +148,10 @@ class VllmEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM, SamplingParams
 
+        connector = importlib.import_module(_CONNECTOR)
+        self._socket_dir = tempfile.mkdtemp(prefix="speccache-vllm-")
+        handoff_socket = os.path.join(self._socket_dir, "states.sock")
+        connector.listen(handoff_socket)
         self.llm = LLM(
             model=self.model,
             speculative_config={
@@ -151,7 +163,12 @@ class VllmEngine:
                 "kv_connector": "InProcessHiddenStatesConnector",
                 "kv_connector_module_path": _CONNECTOR,
                 "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"use_synchronization_lock": False},
+                "kv_connector_extra_config": {
+                    "use_synchronization_lock": False,
+                    "speccache_pid": os.getpid(),
+                    "speccache_socket": handoff_socket,
+                    "speccache_handoff": self.handoff,
+                },
             },
             **self.engine_args,
         )
@@ -159,22 +176,23 @@ class VllmEngine:
 
     def hidden_states(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Per sequence, its states ``[T, len(layer_ids), H]`` on the CPU, in ``layer_ids`` order."""
-        import importlib
-
         from vllm.inputs import TokensPrompt
 
         self.start()
         delivered: dict[str, torch.Tensor] = importlib.import_module(_CONNECTOR).DELIVERED
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in s]) for s in sequences]
         outputs = self.llm.generate(prompts, self.sampling, use_tqdm=False)
-        # A request's states are copied out at the engine step after it finished, which generate() does not take.
-        for _ in range(_MAX_DRAIN_STEPS):
-            keys = [_request_key(o.request_id, delivered) for o in outputs]
-            if None not in keys:
-                break
+        # A request's states are copied out at the engine step after it finished, which generate() does not take
+        # (and from another process they arrive on the socket thread a moment later).
+        deadline = time.monotonic() + _HANDOFF_TIMEOUT_S
+        while None in (keys := [_request_key(o.request_id, delivered) for o in outputs]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"vLLM returned no hidden states for {keys.count(None)} of {len(outputs)} prompts in "
+                    f"{_HANDOFF_TIMEOUT_S} s"
+                )
             self.llm.llm_engine.step()
-        else:
-            raise RuntimeError(f"vLLM returned no hidden states for {keys.count(None)} of {len(outputs)} prompts")
+            time.sleep(0.001)
         states = [delivered.pop(k) for k in keys]
         for seq, s in zip(sequences, states):
             assert s.shape[0] == len(seq), f"vLLM returned {s.shape[0]} rows for a {len(seq)}-token prompt"
@@ -216,6 +234,7 @@ class VllmEngine:
         if shutdown is not None:
             shutdown()
         self.llm = None
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
 
 
 def _request_key(request_id: str, delivered: Mapping[str, torch.Tensor]) -> str | None:
