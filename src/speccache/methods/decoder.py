@@ -1,14 +1,26 @@
-"""What every method needs of a Hugging Face target: its decoder layers, and one forward that captures them."""
+"""What every method needs of a Hugging Face target: its decoder layers, and one forward that captures them.
+
+A method computes its features from a :data:`Capture`: by default :func:`forward_capturing` over the
+transformers model (the ``hf`` engine); an engine in :mod:`speccache.engines` supplies another with the same
+contract (the ``vllm`` engine runs the decoder in vLLM and applies the model's own final norm).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["decoder_layers", "forward_capturing"]
+__all__ = ["Capture", "decoder_layers", "final_norm", "forward_capturing"]
+
+Capture = Callable[
+    [torch.Tensor, torch.Tensor, Mapping[Hashable, int], "Hashable | None"],
+    tuple[torch.Tensor, dict[Hashable, torch.Tensor]],
+]
+"""``(input_ids, attention_mask, outputs, input_of_first) -> (last_hidden_state, captured)``, as
+:func:`forward_capturing` with its model bound: padded ``[B, T, H]`` tensors; padding rows are never read."""
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -24,6 +36,20 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
             f"{type(model).__name__}: cannot find its decoder layers (expected model.get_decoder().layers)"
         )
     return layers
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The decoder's final norm module (transformers' own: e.g. Gemma's adds one to its weight).
+
+    Raises:
+        ValueError: the architecture does not expose one as ``model.get_decoder().norm``.
+    """
+    norm = getattr(model.get_decoder(), "norm", None)
+    if not isinstance(norm, nn.Module):
+        raise ValueError(
+            f"{type(model).__name__}: cannot find its final norm (expected model.get_decoder().norm); use --engine hf"
+        )
+    return norm
 
 
 @torch.no_grad()

@@ -38,6 +38,7 @@ as SGLang uses it).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +50,7 @@ from torch.utils.data import DataLoader, Sampler
 from speccache.data import SOURCE_ROW_KEY, source_row_spec
 from speccache.errors import CacheFormatError
 from speccache.format import LENGTHS_KEY, STAT_PREFIX, KeySpec, Schema, ShardFile
-from speccache.methods.decoder import decoder_layers, forward_capturing
+from speccache.methods.decoder import Capture, decoder_layers, forward_capturing
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
 from speccache.read import CacheDataset, PadCollator, Sample
 from speccache.read.source import open_source, reader_sampler
@@ -241,6 +242,7 @@ class Eagle3Target:
         selected: the draft vocabulary (ascending target ids).
         dtype: storage dtype of float features.
         nonfinite: ``fail`` or ``skip`` samples whose features are NaN/Inf (see :mod:`speccache.methods.finite`).
+        capture: the forward that captures the layers (default: ``model``'s own, :func:`forward_capturing`).
 
     Raises:
         ValueError: bad aux layers or ``nonfinite`` mode.
@@ -254,9 +256,11 @@ class Eagle3Target:
         selected: torch.Tensor,
         dtype: torch.dtype,
         nonfinite: str = "fail",
+        capture: Capture | None = None,
     ) -> None:
         self.nonfinite = check_nonfinite_mode(nonfinite)
         self.model = model.eval()
+        self.capture: Capture = capture or functools.partial(forward_capturing, self.model)
         self.layers = decoder_layers(model)
         self.aux_layers = check_aux_layers(aux_layers, len(self.layers))
         self.supervision = supervision
@@ -270,7 +274,7 @@ class Eagle3Target:
     @torch.no_grad()
     def forward_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """Padded features ``[B, T, ...]`` of one batch, in the model's dtype: aux, last hidden, logits-derived."""
-        last, captured = forward_capturing(self.model, input_ids, attention_mask, {i: i for i in self.aux_layers})
+        last, captured = self.capture(input_ids, attention_mask, {i: i for i in self.aux_layers}, None)
         feats = {
             "aux_hidden_states": torch.cat([captured[i] for i in self.aux_layers], dim=-1),
             "last_hidden_state": last,

@@ -36,6 +36,7 @@ present, when it does not.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +48,7 @@ from torch.utils.data import DataLoader, Sampler
 from speccache.data import SOURCE_ROW_KEY, source_row_spec
 from speccache.errors import CacheFormatError
 from speccache.format import LENGTHS_KEY, KeySpec, Schema
-from speccache.methods.decoder import decoder_layers, forward_capturing
+from speccache.methods.decoder import Capture, decoder_layers, forward_capturing
 from speccache.methods.eagle3 import default_aux_layers
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
 from speccache.read import CacheDataset, PadCollator, Sample
@@ -255,16 +256,23 @@ class LayersTarget:
         selection: what to store.
         dtype: storage dtype of the features.
         nonfinite: ``fail`` or ``skip`` samples whose features are NaN/Inf (see :mod:`speccache.methods.finite`).
+        capture: the forward that captures the layers (default: ``model``'s own, :func:`forward_capturing`).
 
     Raises:
         ValueError: the model's layer count differs from the selection's, or a bad ``nonfinite`` mode.
     """
 
     def __init__(
-        self, model: nn.Module, selection: LayerSelection, dtype: torch.dtype, nonfinite: str = "fail"
+        self,
+        model: nn.Module,
+        selection: LayerSelection,
+        dtype: torch.dtype,
+        nonfinite: str = "fail",
+        capture: Capture | None = None,
     ) -> None:
         self.nonfinite = check_nonfinite_mode(nonfinite)
         self.model = model.eval()
+        self.capture: Capture = capture or functools.partial(forward_capturing, self.model)
         self.layers = decoder_layers(model)
         if len(self.layers) != selection.num_layers:
             raise ValueError(f"the model has {len(self.layers)} decoder layers, the plan {selection.num_layers}")
@@ -277,7 +285,7 @@ class LayersTarget:
         """Padded features ``[B, T, H]`` of one batch, in the model's dtype, keyed as stored."""
         embed = next((f.key for f in self.features if f.norm == "embed"), None)
         outputs = {f.key: f.layer for f in self.features if f.norm == "pre"}
-        last, captured = forward_capturing(self.model, input_ids, attention_mask, outputs, embed)
+        last, captured = self.capture(input_ids, attention_mask, outputs, embed)
         captured[LAST_HIDDEN] = last
         return {f.key: captured[f.key] for f in self.features}
 

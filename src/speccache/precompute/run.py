@@ -41,9 +41,11 @@ from speccache.data import (
     sample_turn_spec,
     tokenizer_hash,
 )
+from speccache.engines.vllm import ENGINES, VllmEngine, check_vllm_target, vllm_layer_ids, vllm_version
 from speccache.errors import DataError, SpeccacheError
 from speccache.format import LENGTHS_KEY, Manifest, Schema, load_manifest_json, manifest_path, shard_samples
 from speccache.format.encoding import parse_encodings
+from speccache.methods.decoder import decoder_layers, final_norm
 from speccache.methods.eagle3 import (
     CACHE_NAME,
     SIDE_FILE,
@@ -62,7 +64,13 @@ from speccache.methods.layers import SIDE_FILE as LAYERS_SIDE_FILE
 from speccache.methods.layers import LayerSelection, LayersTarget, layers_schema, preset_selection
 from speccache.methods.layers import side_tensors as layers_side_tensors
 from speccache.precompute.append import DATA_FIELDS, AppendedDataset, merge_stats, plan_append, stored_selection
-from speccache.precompute.target import check_shard_target, check_tp_plan, load_target, target_device
+from speccache.precompute.target import (
+    check_shard_target,
+    check_tp_plan,
+    load_outer_modules,
+    load_target,
+    target_device,
+)
 from speccache.units import human_bytes
 from speccache.write import (
     CacheWriter,
@@ -204,6 +212,8 @@ class PrecomputeConfig:
     nonfinite: str = "fail"
     shard_target: str = "replicate"
     tp_size: int | None = None
+    engine: str = "hf"
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PrecomputeConfig:
@@ -249,6 +259,8 @@ class PrecomputeConfig:
             nonfinite=getattr(args, "nonfinite", "fail"),
             shard_target=getattr(args, "shard_target", "replicate"),
             tp_size=getattr(args, "tp_size", None),
+            engine=getattr(args, "engine", "hf"),
+            tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         )
         cfg.check()
         return cfg
@@ -316,6 +328,17 @@ class PrecomputeConfig:
         if _looks_local(self.model) and not os.path.isdir(self.model):
             raise FileNotFoundError(f"--model {self.model}: no such model directory")
         check_shard_target(self.shard_target, self.tp_size)
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine {self.engine!r} is unknown; choose one of {', '.join(ENGINES)}")
+        if self.engine == "vllm" and self.shard_target != "replicate":
+            raise ValueError(
+                f"--shard-target {self.shard_target} is the hf engine's; --engine vllm parallelises the target "
+                "itself: give --tensor-parallel-size instead"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size != 1 and self.engine != "vllm":
+            raise ValueError("--tensor-parallel-size is vLLM's: use it with --engine vllm (or --shard-target tp)")
         if self.out and os.path.exists(self.out) and not os.path.isdir(self.out):
             raise NotADirectoryError(f"--out {self.out} is a file; give a directory for the cache")
 
@@ -406,6 +429,8 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
             f"--model {cfg.model}: no model directory or loadable model config there ({exc})"
         ) from exc
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    if cfg.engine == "vllm":
+        check_vllm_target(model_config)
     if cfg.shard_target == "tp":
         check_tp_plan(model_config, cfg.tp_size or (comm or LocalComm()).world_size)
     num_layers = int(text_config.num_hidden_layers)
@@ -480,6 +505,7 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
         **({"tools_hash": _json_hash(fmt.tools)} if fmt is not None and fmt.tools is not None else {}),
         **({"turns": cfg.turns} if cfg.turns != "all" else {}),
         **({"expand_turns": True} if cfg.expand_turns else {}),
+        "engine": cfg.engine,
     }
     return Plan(
         cfg, model_config, tokenizer, samples, stats, aux, vocab_size, hidden, draft, schema, manifest_config, selection
@@ -616,6 +642,11 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
     """
     comm = comm or LocalComm()
     check_shard_target(cfg.shard_target, cfg.tp_size, comm.world_size)
+    if cfg.engine == "vllm" and comm.world_size > 1:
+        raise ValueError(
+            f"--engine vllm runs as one process (vLLM spreads the target over its own workers), not under "
+            f"torchrun (world size {comm.world_size}): run it without torchrun, with --tensor-parallel-size"
+        )
     device = target_device(cfg.device)
     plan = make_plan(cfg, comm)
     groups = data_parallel_groups(comm, (cfg.tp_size or comm.world_size) if cfg.shard_target == "tp" else 1)
@@ -639,8 +670,13 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
     else:
         counts = draft_token_counts(plan, comm)
         selected = select_draft_vocab(counts, plan.draft_vocab_size, _special_ids(plan.tokenizer))
-    loaded = load_target(cfg.model, cfg.model_dtype, device, cfg.shard_target, groups)
+    if cfg.engine == "vllm":  # vLLM runs the decoder; the methods apply the model's own norm and head
+        loaded = load_outer_modules(cfg.model, cfg.model_dtype)
+    else:
+        loaded = load_target(cfg.model, cfg.model_dtype, device, cfg.shard_target, groups)
     model = loaded.model
+    engine = _vllm_engine(plan) if cfg.engine == "vllm" else None
+    capture = None if engine is None else engine.capture(final_norm(model), len(decoder_layers(model)))
     target: Eagle3Target | LayersTarget
 
     def side_tensors() -> dict[str, torch.Tensor]:
@@ -653,11 +689,10 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
         }
 
     if plan.selection is None:
-        target = Eagle3Target(
-            model, plan.aux_layers, Supervision.parse(cfg.supervision), selected, DTYPES[cfg.dtype], cfg.nonfinite
-        )
+        supervision = Supervision.parse(cfg.supervision)
+        target = Eagle3Target(model, plan.aux_layers, supervision, selected, DTYPES[cfg.dtype], cfg.nonfinite, capture)
     else:
-        target = LayersTarget(model, plan.selection, DTYPES[cfg.dtype], cfg.nonfinite)
+        target = LayersTarget(model, plan.selection, DTYPES[cfg.dtype], cfg.nonfinite, capture)
     compute = target.compute_batch
     if SAMPLE_TURN_KEY in plan.schema:
 
@@ -697,6 +732,8 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
     skipped_file = SideFile(SKIPPED_ROWS_FILE, content=lambda: skipped, rewritten_on_append=True)
     side_files = (side_file, skipped_file) if skipped else (side_file,)
     with contextlib.ExitStack() as stack:
+        if engine is not None:
+            stack.callback(engine.close)
         run: WriteRun | None = None
 
         def begin() -> list[int]:
@@ -747,6 +784,12 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
         nonfinite = int(writer.comm.sum_tensor(torch.tensor([cleared.total], dtype=torch.int64))[0])
         if nonfinite or cfg.nonfinite == "skip":
             run.stats.setdefault("skipped_rows", {})[SKIP_REASON] = nonfinite
+        if engine is not None:  # informational, as the parallel settings: a resume may change them
+            run.stats["engine"] = {
+                "name": cfg.engine,
+                "version": vllm_version(),
+                "tensor_parallel_size": cfg.tensor_parallel_size,
+            }
         if cfg.shard_target != "replicate":  # informational: a resume may change the mode and the world size
             run.stats["parallel"] = {
                 "shard_target": cfg.shard_target,
@@ -774,6 +817,25 @@ def computed_tokens(lengths: Sequence[int], cfg: PrecomputeConfig) -> int:
             ]
         total += sum(len(b) * max(shard[i] for i in b) for b in batches)
     return total
+
+
+def _vllm_engine(plan: Plan) -> VllmEngine:
+    """The vLLM engine extracting what the plan's method reads: its decoder layers (and the embeddings) and the
+    final norm's input; started at its first batch, so a resume with nothing left to do never starts it."""
+    if plan.selection is None:
+        outputs, embeddings = plan.aux_layers, False
+    else:
+        features = plan.selection.features()
+        outputs, embeddings = [f.layer for f in features if f.norm == "pre"], any(f.norm == "embed" for f in features)
+    cfg = plan.cfg
+    ids = vllm_layer_ids(outputs, embeddings, int(plan.model_config.get_text_config().num_hidden_layers))
+    return VllmEngine(
+        cfg.model,
+        ids,
+        dtype=cfg.model_dtype,
+        max_model_len=int(np.diff(plan.samples.offsets).max()) + 1,  # the longest prompt and its one sampled token
+        tensor_parallel_size=cfg.tensor_parallel_size,
+    )
 
 
 def _discard(output_dir: str, index: int, samples: dict[str, torch.Tensor]) -> str:
@@ -878,6 +940,15 @@ def register_commands(sub: Any) -> None:
         "--nonfinite",
         default="fail",
         help="a NaN/Inf feature: fail (default; names sample, row, key, layer) or skip (clear the sample, count it)",
+    )
+    p.add_argument(
+        "--engine",
+        default="hf",
+        help="what runs the target: hf (transformers, default) or vllm (pip install speccache[vllm]; "
+        "see docs/engines.md)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="--engine vllm: vLLM's tensor-parallel size (default 1)"
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(func=cmd_precompute)

@@ -44,7 +44,15 @@ from speccache.write.dist import (
     require_group,
 )
 
-__all__ = ["SHARD_MODES", "LoadedTarget", "load_target", "target_device", "check_shard_target", "check_tp_plan"]
+__all__ = [
+    "SHARD_MODES",
+    "LoadedTarget",
+    "load_target",
+    "load_outer_modules",
+    "target_device",
+    "check_shard_target",
+    "check_tp_plan",
+]
 
 SHARD_MODES = ("replicate", "fsdp", "tp")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -153,6 +161,30 @@ def load_target(
         lambda: model.get_input_embeddings().weight.detach().cpu(),
         lambda: model.get_output_embeddings().weight.detach().cpu(),
     )
+
+
+def load_outer_modules(model_path: str, model_dtype: str) -> LoadedTarget:
+    """The target with only what lies outside its decoder layers (embeddings, final norm, LM head) read, on the CPU.
+
+    For an engine that runs the decoder layers itself: the methods still apply the model's own final norm and
+    LM head (transformers' modules, so e.g. Gemma's norm is Gemma's), and the side file reads the embeddings.
+    The decoder layers stay on the meta device, so a 70B target costs the main process only these few tensors.
+
+    Raises:
+        ValueError: the directory has no safetensors weights, or lacks one of these tensors.
+    """
+    dtype: Any = "auto" if model_dtype == "auto" else DTYPES[model_dtype]
+    checkpoint = Checkpoint(model_path)
+    model = _meta_model(model_path, dtype, checkpoint)
+    in_layers = {id(p) for p in decoder_layers(model).parameters()}
+    names = [n for n, p in model.named_parameters() if id(p) not in in_layers]
+    readers = _parameter_readers(model, checkpoint, only=names)
+    for name in names:
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        value = readers[name](None).to(getattr(module, attr).dtype)
+        setattr(module, attr, nn.Parameter(value, requires_grad=False))
+    return _from_checkpoint(model, readers)
 
 
 # ---------------------------------------------------------------------------
