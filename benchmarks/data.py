@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from docsection import replace_section  # benchmarks/, beside this script
+
 BEGIN, END = "<!-- data-benchmark:begin -->", "<!-- data-benchmark:end -->"
 
 
@@ -152,13 +154,7 @@ def main() -> None:
     text = report(args)
     print(text)
     if args.out:
-        old = open(args.out).read() if os.path.exists(args.out) else ""
-        if BEGIN in old and END in old:
-            new = old[: old.index(BEGIN)] + text + old[old.index(END) + len(END) + 1 :]
-        else:
-            new = old.rstrip("\n") + "\n\n" + text
-        with open(args.out, "w") as f:
-            f.write(new)
+        replace_section(args.out, text, BEGIN, END)
 
 
 if __name__ == "__main__":

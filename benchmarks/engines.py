@@ -18,6 +18,8 @@ import os
 import platform
 import time
 
+from docsection import replace_section  # benchmarks/, beside this script
+
 BEGIN, END = "<!-- engines-benchmark:begin -->", "<!-- engines-benchmark:end -->"
 
 
@@ -129,13 +131,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        old = open(args.out).read() if os.path.exists(args.out) else ""
-        if BEGIN in old and END in old:
-            new = old[: old.index(BEGIN)] + text + old[old.index(END) + len(END) + 1 :]
-        else:
-            new = old.rstrip("\n") + "\n\n" + text
-        with open(args.out, "w") as f:
-            f.write(new)
+        replace_section(args.out, text, BEGIN, END)
 
 
 if __name__ == "__main__":

@@ -230,14 +230,9 @@ def write_section(path: str, rows: list[dict], forwards: int) -> None:
         "heads do not split, so `tp` is measured at W = 2 only.",
         END,
     ]
-    text = "\n".join(lines) + "\n"
-    old = open(path).read() if os.path.exists(path) else ""
-    if BEGIN in old and END in old:
-        new = old[: old.index(BEGIN)] + text + old[old.index(END) + len(END) + 1 :]
-    else:
-        new = old.rstrip("\n") + "\n\n" + text
-    with open(path, "w") as f:
-        f.write(new)
+    from docsection import replace_section  # benchmarks/, beside this script (the tests load this file alone)
+
+    replace_section(path, "\n".join(lines) + "\n", BEGIN, END)
 
 
 def _splits(model_dir: str, tiny_dir: str, world: int) -> bool:
