@@ -886,9 +886,9 @@ WHY = {
         "The cold epoch took {ours_cold:.2f} s, the plain sequential read {plain_cold:.2f} s and the warm epoch "
         "{ours_warm:.2f} s. The sampler's prefetch and each batch's misses are announced in file order, "
         "neighbouring samples as one range, in pieces of the device's read-ahead limit (8 MiB here; 128 KiB pieces "
-        "made 16 small requests of every 2 MB sample and held the ratio near 0.7x). What is left is the shared "
-        "virtual disk: other engineers' jobs used it throughout, so that the plain read itself varied by 2-3x "
-        "between rounds and the best of each side came from different moments."
+        "made 16 small requests of every 2 MB sample). On an otherwise idle machine the ratio stayed near 0.7x, so "
+        "what is left is the reader's, not the disk's: a cold epoch waits on each batch's reads in turn, where the "
+        "plain read streams whole files; reading the next batch while this one is collated is the next lead."
     ),
     "seed warm": (
         "Both readers did the same work as in the other rows; the seed reader's per-sample overhead is what "
