@@ -3,6 +3,7 @@ tokenizers without a chat template API, FastChat rows, the truncation warning, s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gzip
 import json
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 import zstandard
@@ -53,6 +55,25 @@ def _precompute(model_dir, data, out, *extra) -> None:
     assert main(["precompute", "--model", model_dir, "--data", str(data), "--out", str(out), *FLAGS, *extra]) == 0
 
 
+@contextlib.contextmanager
+def _crash_after_one_shard(monkeypatch) -> Iterator[None]:
+    """A run whose shard writer fails (an OSError, as a full disk) after writing one shard."""
+    real_call = speccache.write.NativeShardWriter.__call__
+    written = []
+
+    def failing_call(self, output_dir, shard_index, samples):
+        if written:
+            raise OSError("simulated crash after one shard")
+        written.append(shard_index)
+        return real_call(self, output_dir, shard_index, samples)
+
+    monkeypatch.setattr(speccache.write.NativeShardWriter, "__call__", failing_call)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(speccache.write.NativeShardWriter, "__call__", real_call)
+
+
 def test_parquet_compressed_jsonl_and_saved_dataset_give_the_jsonl_cache(model_dir, tmp_path):
     import datasets
 
@@ -89,18 +110,8 @@ def test_resume_on_a_later_day_renders_the_pinned_date(model_dir, tmp_path, monk
 
     # the same run interrupted after one shard on day 1 ...
     out = tmp_path / "interrupted"
-    real_call = speccache.write.NativeShardWriter.__call__
-    written = []
-
-    def failing_call(self, output_dir, shard_index, samples):
-        if written:
-            raise OSError("simulated crash after one shard")
-        written.append(shard_index)
-        return real_call(self, output_dir, shard_index, samples)
-
-    monkeypatch.setattr(speccache.write.NativeShardWriter, "__call__", failing_call)
-    assert main(["precompute", "--model", model_dir, "--data", str(data), "--out", str(out), *FLAGS, *flags]) == 1
-    monkeypatch.setattr(speccache.write.NativeShardWriter, "__call__", real_call)
+    with _crash_after_one_shard(monkeypatch):
+        assert main(["precompute", "--model", model_dir, "--data", str(data), "--out", str(out), *FLAGS, *flags]) == 1
     # ... and resumed on day 2: the pinned date is the manifest's, so the bytes are day 1's.
     monkeypatch.setattr(template_module, "today", lambda: "2026-12-02")
     _precompute(model_dir, data, out, *flags, "--resume")
@@ -337,12 +348,17 @@ def test_ctrl_c_while_worker_processes_tokenize_ends_the_run_and_its_workers(mod
         assert proc.poll() is None, proc.stderr.read()
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
         code = proc.wait(timeout=60)  # a hang guard: it ends within seconds
+        # a worker may take a moment to see its parent gone; one still there after 15 s was left behind
+        deadline = time.monotonic() + 15
+        while _group(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = _group(proc.pid)
     finally:
         if proc.poll() is None or _group(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert code != 0
-    assert not _group(proc.pid), "worker processes outlived the run"
+    assert not left, "worker processes outlived the run"
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
@@ -390,19 +406,9 @@ def test_expand_turns_caches_one_sample_per_turn_and_resumes_byte_identical(mode
     masked = tok.decode(ds[4]["input_ids"][ds[4]["loss_mask"].bool()].tolist())
     assert "think 2 1" in masked and "Answer 2.1." in masked and "Answer 2.0" not in masked
 
-    real_call = speccache.write.NativeShardWriter.__call__
-    written = []
-
-    def failing_call(self, output_dir, shard_index, samples):
-        if written:
-            raise OSError("simulated crash after one shard")
-        written.append(shard_index)
-        return real_call(self, output_dir, shard_index, samples)
-
     out = tmp_path / "interrupted"
-    monkeypatch.setattr(speccache.write.NativeShardWriter, "__call__", failing_call)
-    assert main([*args, "--out", str(out)]) == 1
-    monkeypatch.setattr(speccache.write.NativeShardWriter, "__call__", real_call)
+    with _crash_after_one_shard(monkeypatch):
+        assert main([*args, "--out", str(out)]) == 1
     assert main([*args, "--out", str(out), "--turns", "last", "--resume"]) == 1  # another turn mode: refused
     assert main([*args, "--out", str(out), "--resume"]) == 0
     assert _shards(out) == _shards(tmp_path / "whole")
