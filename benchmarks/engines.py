@@ -42,11 +42,12 @@ def main() -> None:
     from torch.utils.data import DataLoader
 
     from speccache.demo import build_tiny_model_dir, demo_data_path
+    from speccache.engines.base import target_device
+    from speccache.engines.hf import load_outer_modules, load_target
     from speccache.engines.vllm import VllmEngine, vllm_layer_ids, vllm_version
     from speccache.methods.decoder import final_norm
     from speccache.methods.eagle3 import Eagle3Target, Supervision
     from speccache.precompute.run import PrecomputeConfig, TokenizedDataset, batch_pad_id, make_plan, pad_tokens
-    from speccache.precompute.target import load_outer_modules, load_target, target_device
 
     torch.set_num_threads(args.threads)
     model_dir = args.model or build_tiny_model_dir("bench-out/engines-llama32", "llama", head_dim=32)
@@ -66,6 +67,7 @@ def main() -> None:
     real = plan.num_tokens
     pad = batch_pad_id(plan.tokenizer)
     dataset = TokenizedDataset(plan.samples)
+    aux = plan.method_plan.settings.aux_layers
     num_layers = int(plan.model_config.get_text_config().num_hidden_layers)
     selected = torch.arange(plan.vocab_size)
     supervision = Supervision.parse("hidden")
@@ -81,20 +83,20 @@ def main() -> None:
         return time.perf_counter() - start, sum(int(b["input_ids"].numel()) for b in todo)
 
     rows = []
-    hf = Eagle3Target(load_target(model_dir, args.model_dtype, target_device(None)).model, plan.aux_layers,
+    hf = Eagle3Target(load_target(model_dir, args.model_dtype, target_device(None)).model, aux,
                       supervision, selected, torch.float32)  # fmt: skip
     seconds, computed = timed(hf, args.batch_size)
     rows.append(("hf", f"padded batches of {args.batch_size}, dataset order", seconds, computed))
 
     outer = load_outer_modules(model_dir, args.model_dtype).model
     lengths = (plan.samples.offsets[1:] - plan.samples.offsets[:-1]).max()
-    engine = VllmEngine(model_dir, vllm_layer_ids(plan.aux_layers, False, num_layers), dtype=args.model_dtype,
+    engine = VllmEngine(model_dir, vllm_layer_ids(aux, False, num_layers), dtype=args.model_dtype,
                         max_model_len=int(lengths) + 1)  # fmt: skip
     started = time.perf_counter()
     engine.start()
     startup = time.perf_counter() - started
     capture = engine.capture(final_norm(outer), num_layers)
-    vllm = Eagle3Target(outer, plan.aux_layers, supervision, selected, torch.float32, capture=capture)
+    vllm = Eagle3Target(outer, aux, supervision, selected, torch.float32, capture=capture)
     seconds, _ = timed(vllm, args.batch_size)
     rows.append(("vllm", f"the same batches of {args.batch_size}", seconds, real))
     seconds, _ = timed(vllm, len(dataset))
@@ -110,7 +112,7 @@ def main() -> None:
         f"{'' if args.model is None else ' --model ' + args.model} --limit {args.limit} --threads {args.threads}` on "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores (shared), OMP_NUM_THREADS={args.threads}, vLLM {vllm_version()}, torch "
-        f"{torch.__version__}: EAGLE-3 features (aux layers {plan.aux_layers}, fp32) of {len(dataset)} demo "
+        f"{torch.__version__}: EAGLE-3 features (aux layers {aux}, fp32) of {len(dataset)} demo "
         f"samples, {real} real tokens, target {os.path.basename(model_dir.rstrip('/'))}. One run each; vLLM's "
         f"start-up ({startup:.0f} s) is not counted.",
         "",

@@ -4,7 +4,7 @@
 32 small layers; ``--wide-dir``: the wide one, 8 layers of 4096-wide MLPs), then for each target, world size and
 mode runs a torchrun world of Gloo ranks on the CPU: each rank records its peak of anonymous memory (``RssAnon`` of
 /proc/self/status, sampled by a thread) after importing torch and transformers and joining the group, then loads the
-target through ``speccache.precompute.target.load_target``, runs ``--forwards`` (4) forwards of a 2x64-token batch,
+target through ``speccache.engines.hf.load_target``, runs ``--forwards`` (4) forwards of a 2x64-token batch,
 and records its peak again. Anonymous memory leaves out the page cache of the memory-mapped checkpoint, which
 ``ru_maxrss`` counts; it does count what the allocator keeps after a free, which is what a rank's host really loses.
 The bound is ``fixed overhead + M / W + 3 U`` (``M`` the model's bytes, ``U`` its largest FSDP unit: a decoder
@@ -96,7 +96,7 @@ def worker(model_dir: str, mode: str, forwards: int) -> None:
     import torch
     import transformers  # noqa: F401 - part of the fixed overhead, as in a real run
 
-    from speccache.precompute.target import load_target
+    from speccache.engines.hf import load_target
     from speccache.write.dist import init_from_env, shutdown
 
     anon = AnonPeak()
@@ -239,7 +239,7 @@ def _splits(model_dir: str, tiny_dir: str, world: int) -> bool:
     """Whether a tensor-parallel group of ``world`` ranks splits both models' attention and key-value heads."""
     from transformers import AutoConfig
 
-    from speccache.precompute.target import check_tp_plan
+    from speccache.engines.hf import check_tp_plan
 
     try:
         for path in (model_dir, tiny_dir):

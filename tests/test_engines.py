@@ -11,11 +11,11 @@ from transformers import AutoModelForCausalLM
 
 from speccache.cli import main
 from speccache.demo import demo_data_path
+from speccache.engines.hf import load_outer_modules
 from speccache.engines.vllm import VllmEngine, vllm_layer_ids
 from speccache.methods.decoder import final_norm, forward_capturing
 from speccache.methods.eagle3 import Eagle3Target, Supervision
 from speccache.methods.layers import LayersTarget, preset_selection
-from speccache.precompute.target import load_outer_modules
 
 pytestmark = pytest.mark.usefixtures("offline_single_thread")
 

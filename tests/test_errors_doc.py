@@ -33,6 +33,7 @@ from transformers import GPT2Config, LlamaConfig
 import speccache.errors as errors_module
 from speccache.data import chat_format
 from speccache.demo.real_target import build_real_model_dir, real_target_gguf
+from speccache.engines.hf import Checkpoint, check_shard_target, check_tp_plan
 from speccache.format import MANIFEST_NAME, KeySpec, Manifest, ShardFile, shard_path, write_safetensors
 from speccache.format.encoding import get_encoding
 from speccache.format.lock import LOCK_NAME
@@ -50,7 +51,6 @@ from speccache.offline_cache import (
 from speccache.precompute.append import plan_append
 from speccache.precompute.audit import audit_cache
 from speccache.precompute.run import check_out_outside_data
-from speccache.precompute.target import Checkpoint, check_shard_target, check_tp_plan
 from speccache.read import CacheDataset
 from speccache.read.sampler import LocalityShuffleSampler
 from speccache.read.source import open_source

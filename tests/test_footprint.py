@@ -213,12 +213,12 @@ def test_error_sums_gathered_across_writers_equal_one_pass(tmp_path, dtype, scal
     ],
 )
 def test_bad_encode_fails_before_loading_the_model(target, tmp_path, monkeypatch, capsys, encode, extra, message):
-    import speccache.precompute.run as precompute
+    import speccache.engines.hf as hf_engine
 
     def no_model(*_args, **_kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(precompute, "load_target", no_model)
+    monkeypatch.setattr(hf_engine, "load_target", no_model)
     out = tmp_path / "cache"
     for command in (["precompute", "--out", str(out), "--device", "cpu"], ["estimate"]):
         assert main([command[0], *args_for(target, encode, *extra), *command[1:]]) == 2

@@ -26,16 +26,16 @@ RANKS = {
     "speccache.read": 2,
     "speccache.data": 2,
     "speccache.methods": 3,
-    "speccache.engines": 3,
-    "speccache.precompute": 4,
+    "speccache.engines": 4,
+    "speccache.precompute": 5,
     "speccache.compat": 4,
     "speccache.testing": 4,
     "speccache.train": 4,
-    "speccache.cli": 5,
-    "speccache.offline_cache": 5,
-    "speccache.demo": 6,
-    "speccache.__main__": 6,
-    "speccache": 7,
+    "speccache.cli": 6,
+    "speccache.offline_cache": 6,
+    "speccache.demo": 7,
+    "speccache.__main__": 7,
+    "speccache": 8,
 }
 IMPORTED_BY_NOTHING = {"speccache.testing"}
 """Test support: shipped with the package, imported only by tests, benchmarks and its own modules."""

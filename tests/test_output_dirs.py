@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 import speccache.compat.offline_cache as oc
+import speccache.engines.hf as hf_engine
 import speccache.format.manifest as manifest_module
 import speccache.format.view as view_module
 import speccache.precompute.run as precompute
@@ -211,7 +212,7 @@ def no_model_load(monkeypatch):
     def load_target(*args, **kwargs):
         raise AssertionError("the target was loaded before the output directory was checked")
 
-    monkeypatch.setattr(precompute, "load_target", load_target)
+    monkeypatch.setattr(hf_engine, "load_target", load_target)
 
 
 @pytest.mark.parametrize("command", COMMANDS)

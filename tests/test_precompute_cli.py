@@ -17,6 +17,7 @@ import torch
 import xxhash
 from transformers import AutoTokenizer
 
+import speccache.engines.hf as hf_engine
 import speccache.precompute.run as precompute
 import speccache.write
 from speccache.cli import main
@@ -95,7 +96,7 @@ def _fail_load(*args, **kwargs):
 
 @pytest.fixture
 def no_model_load(monkeypatch):
-    monkeypatch.setattr(precompute, "load_target", _fail_load)
+    monkeypatch.setattr(hf_engine, "load_target", _fail_load)
 
 
 # ---------------------------------------------------------------------------
@@ -124,7 +125,7 @@ def test_interrupted_run_resumes_byte_identical(model_dir, reference, tmp_path, 
     kept = {n: os.stat(out / n).st_mtime_ns for n in ("shard-000000.safetensors", "shard-000001.safetensors")}
 
     # a resume with other settings is refused before the model loads and changes nothing
-    monkeypatch.setattr(precompute, "load_target", _fail_load)
+    monkeypatch.setattr(hf_engine, "load_target", _fail_load)
     before = snapshot(out)
     assert main(_argv(model_dir, SHAREGPT, str(out), *BASE_FLAGS, "--resume", "--aux-layers", "0,2,5")) == 1
     err = capsys.readouterr().err

@@ -26,9 +26,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import speccache.precompute.target as target_module
+import speccache.engines.hf as target_module
 from speccache.demo import build_tiny_model_dir, demo_data_path
-from speccache.precompute.target import check_shard_target
+from speccache.engines.hf import check_shard_target
 from speccache.read.verify import verify_cache
 from speccache.write import LocalComm, data_parallel_groups
 

@@ -1,5 +1,6 @@
-"""Engines: what runs the target's decoder for a method when transformers does not (``--engine``).
+"""Engines: what runs the target for ``speccache precompute`` (``--engine``, :mod:`.registry`).
 
-The ``hf`` engine is the transformers forward of :mod:`speccache.methods.decoder`; ``vllm`` (:mod:`.vllm`) runs
-the decoder in vLLM and hands the layers' hidden states to the methods in process.
+Each is a class of the :class:`.base.Engine` protocol: ``hf`` (:mod:`.hf`) loads the target with transformers
+(whole, FSDP2-sharded or tensor-parallel) and runs its forward; ``vllm`` (:mod:`.vllm`) runs the decoder in vLLM
+and hands the layers' hidden states to the methods in process.
 """

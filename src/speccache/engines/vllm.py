@@ -27,10 +27,12 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ENGINES", "VllmEngine", "check_vllm_target", "vllm_layer_ids", "vllm_version"]
+from speccache.engines.hf import check_shard_target, load_outer_modules
+from speccache.methods.base import CaptureRequest, LoadedTarget
+from speccache.methods.decoder import Capture, decoder_layers, final_norm
+from speccache.write import Comm, DataParallelGroups
 
-ENGINES = ("hf", "vllm")
-"""What ``--engine`` accepts: transformers (the default) or vLLM."""
+__all__ = ["VllmEngine", "VllmPrecomputeEngine", "check_vllm_target", "vllm_layer_ids", "vllm_version"]
 
 _CONNECTOR = "speccache.engines._vllm_connector"
 _HANDOFF_TIMEOUT_S = 120
@@ -235,6 +237,89 @@ class VllmEngine:
             shutdown()
         self.llm = None
         shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+
+class VllmPrecomputeEngine:
+    """The ``vllm`` engine (:class:`speccache.engines.base.Engine`): a :class:`VllmEngine` extracting the layers a
+    method requests, and the target's modules outside its decoder layers, read on the CPU, for what the method
+    applies itself (the final norm, the LM head) and the side file.
+
+    Raises:
+        ValueError: a world of more than one process (vLLM spreads the target over its own workers).
+    """
+
+    name = "vllm"
+    group_size = 1
+
+    @classmethod
+    def check_flags(cls, cfg: Any) -> None:
+        """Refuse the hf engine's ``--shard-target`` (vLLM parallelises the target itself); check
+        ``--tensor-parallel-size``."""
+        check_shard_target(cfg.shard_target, cfg.tp_size)
+        if cfg.shard_target != "replicate":
+            raise ValueError(
+                f"--shard-target {cfg.shard_target} is the hf engine's; --engine vllm parallelises the target "
+                "itself: give --tensor-parallel-size instead"
+            )
+        if cfg.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {cfg.tensor_parallel_size}")
+
+    @classmethod
+    def check_model(cls, cfg: Any, model_config: Any, world_size: int) -> None:
+        """:func:`check_vllm_target`."""
+        check_vllm_target(model_config)
+
+    def __init__(self, cfg: Any, comm: Comm) -> None:
+        if comm.world_size > 1:
+            raise ValueError(
+                f"--engine vllm runs as one process (vLLM spreads the target over its own workers), not under "
+                f"torchrun (world size {comm.world_size}): run it without torchrun, with --tensor-parallel-size"
+            )
+        self.cfg = cfg
+        self.engine: VllmEngine | None = None
+        self._capture: Capture | None = None
+
+    def open(self, request: CaptureRequest, groups: DataParallelGroups, max_tokens: int) -> LoadedTarget:
+        """Read the outer modules and set vLLM up for ``request``'s layers (the final norm's input always); vLLM
+        itself starts at the first batch, so a resume with nothing left to do never starts it."""
+        cfg = self.cfg
+        loaded = load_outer_modules(cfg.model, cfg.model_dtype)
+        num_layers = len(decoder_layers(loaded.model))
+        self.engine = VllmEngine(
+            cfg.model,
+            vllm_layer_ids(request.layers, request.embeddings, num_layers),
+            dtype=cfg.model_dtype,
+            max_model_len=max_tokens + 1,  # the longest prompt and its one sampled token
+            tensor_parallel_size=cfg.tensor_parallel_size,
+        )
+        self._capture = self.engine.capture(final_norm(loaded.model), num_layers)
+        return loaded
+
+    def capture(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        outputs: Mapping[Hashable, int],
+        input_of_first: Hashable | None = None,
+    ) -> tuple[torch.Tensor, dict[Hashable, torch.Tensor]]:
+        """:meth:`VllmEngine.capture` with the model's own final norm."""
+        assert self._capture is not None, "VllmPrecomputeEngine.capture before open"
+        return self._capture(input_ids, attention_mask, outputs, input_of_first)
+
+    def close(self) -> None:
+        """Shut vLLM down, if it started."""
+        if self.engine is not None:
+            self.engine.close()
+
+    def record(self) -> dict[str, Any]:
+        """``engine``: vLLM's version and tensor-parallel size (informational, as the parallel settings)."""
+        return {
+            "engine": {
+                "name": self.name,
+                "version": vllm_version(),
+                "tensor_parallel_size": self.cfg.tensor_parallel_size,
+            }
+        }
 
 
 def _request_key(request_id: str, delivered: Mapping[str, torch.Tensor]) -> str | None:

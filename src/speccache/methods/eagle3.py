@@ -39,22 +39,26 @@ as SGLang uses it).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
-from speccache.data import SOURCE_ROW_KEY, source_row_spec
+from speccache.data import SOURCE_ROW_KEY, TokenizedSamples, source_row_spec
 from speccache.errors import CacheFormatError
 from speccache.format import LENGTHS_KEY, STAT_PREFIX, KeySpec, Schema, ShardFile
+from speccache.methods.base import CaptureRequest, LoadedTarget, MethodPlan, PrePass, text_config
 from speccache.methods.decoder import Capture, decoder_layers, forward_capturing
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
 from speccache.read import CacheDataset, PadCollator, Sample
 from speccache.read.source import open_source, reader_sampler
 from speccache.read.view import ViewDataset
+from speccache.write import Comm, partition_cache_shards
 
 CACHE_NAME = "eagle3"
 SIDE_FILE = "eagle3_side.safetensors"
@@ -69,6 +73,9 @@ __all__ = [
     "select_draft_vocab",
     "vocab_mapping",
     "Eagle3Target",
+    "EAGLE3",
+    "draft_token_counts",
+    "stored_selection",
     "Eagle3CacheDataset",
     "build_eagle3_dataloader",
     "TargetHead",
@@ -340,6 +347,123 @@ class Eagle3Target:
         out.update((name, value.cpu()) for name, value in rows.items())
         out[SOURCE_ROW_KEY] = source if source is not None else torch.full((real.shape[0],), -1, dtype=torch.int64)
         return out
+
+
+# ---------------------------------------------------------------------------
+# the method in precompute
+
+
+def draft_token_counts(samples: TokenizedSamples, shard_size: int, vocab_size: int, comm: Comm) -> torch.Tensor:
+    """Loss-masked token counts over the whole dataset: each rank counts its block of shards, then all ranks sum."""
+    _, start, n = partition_cache_shards(len(samples), shard_size, comm.world_size, comm.rank)
+    offsets, end = samples.offsets, len(samples)
+    # a rank that owns no shard starts past the last sample: its block is empty
+    a, b = int(offsets[min(start, end)]), int(offsets[min(start + n, end)])
+    ids = samples.input_ids[a:b][samples.loss_mask[a:b].astype(bool)]
+    counts = np.bincount(np.clip(ids, 0, vocab_size - 1), minlength=vocab_size)
+    return comm.sum_tensor(torch.from_numpy(counts.astype(np.int64)))
+
+
+def stored_selection(cache_dir: str) -> torch.Tensor:
+    """The draft vocabulary of the EAGLE-3 cache at ``cache_dir`` (``selected_token_ids`` of its side file)."""
+    side = ShardFile(os.path.join(cache_dir, SIDE_FILE))
+    try:
+        return side.tensor("selected_token_ids").clone()
+    finally:
+        side.close()
+
+
+def _special_ids(tokenizer: Any) -> list[int]:
+    ids = [getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")]
+    return [i for i in ids if isinstance(i, int)]
+
+
+@dataclass(frozen=True)
+class Eagle3Settings:
+    """What an EAGLE-3 run decided: the aux layers, the supervision and the vocabularies."""
+
+    aux_layers: list[int]
+    supervision: Supervision
+    vocab_size: int
+    draft_vocab_size: int
+
+
+class Eagle3Method:
+    """EAGLE-3 in ``precompute`` (:class:`speccache.methods.base.Method`): its pre-pass chooses the draft vocabulary
+    (``prepare`` returns the selected target ids), its side file holds the embeddings and the draft's LM-head rows."""
+
+    cache_name = CACHE_NAME
+    side_file = SIDE_FILE
+    presets: Mapping[str, str] = {
+        "eagle3": "EAGLE-3: three aux layers (--aux-layers) and --supervision over --draft-vocab-size tokens"
+    }
+
+    def check_flags(self, cfg: Any) -> None:
+        """``--supervision`` must parse; the layer methods' flags are refused."""
+        Supervision.parse(cfg.supervision)
+        if cfg.layers is not None or cfg.last_hidden or cfg.last_prenorm:
+            raise ValueError(
+                "--layers, --last-hidden and --last-prenorm are for the layer methods; "
+                "--method eagle3 takes --aux-layers"
+            )
+
+    def plan(self, cfg: Any, model_config: Any, dtype: torch.dtype) -> MethodPlan:
+        """The aux layers (default :func:`default_aux_layers`), the draft vocabulary size and the schema.
+
+        Raises:
+            ValueError: bad aux layers, draft vocabulary size, ``topk`` K or encodings.
+        """
+        text = text_config(model_config)
+        num_layers, vocab, hidden = int(text.num_hidden_layers), int(text.vocab_size), int(text.hidden_size)
+        aux = check_aux_layers(
+            cfg.aux_layers if cfg.aux_layers is not None else default_aux_layers(num_layers), num_layers
+        )
+        draft = cfg.draft_vocab_size if cfg.draft_vocab_size is not None else vocab
+        if not 1 <= draft <= vocab:
+            raise ValueError(f"--draft-vocab-size {draft} must be in [1, {vocab}] (the target vocabulary)")
+        supervision = Supervision.parse(cfg.supervision)
+        if supervision.mode == "topk" and supervision.k > draft:
+            raise ValueError(f"--supervision topk:{supervision.k} asks for more than the {draft} draft tokens")
+        return MethodPlan(
+            schema=eagle3_schema(hidden, dtype, supervision, draft, draft == vocab, cfg.encodings),
+            config={"aux_layers": aux, "supervision": str(supervision), "draft_vocab_size": draft},
+            request=CaptureRequest(layers=tuple(aux)),
+            draft_vocab_size=draft,
+            settings=Eagle3Settings(aux, supervision, vocab, draft),
+        )
+
+    def prepare(self, plan: MethodPlan, data: PrePass) -> torch.Tensor:
+        """The draft vocabulary: chosen from the loss-masked token counts, or an append's cache's own."""
+        if data.appending_to is not None:
+            return stored_selection(data.appending_to)
+        s: Eagle3Settings = plan.settings
+        counts = draft_token_counts(data.samples, data.shard_size, s.vocab_size, data.comm)
+        return select_draft_vocab(counts, s.draft_vocab_size, _special_ids(data.tokenizer))
+
+    def target(
+        self,
+        plan: MethodPlan,
+        loaded: LoadedTarget,
+        capture: Capture,
+        prepared: torch.Tensor,
+        dtype: torch.dtype,
+        nonfinite: str,
+    ) -> Eagle3Target:
+        """An :class:`Eagle3Target` over ``capture``, supervising over the draft vocabulary ``prepared``."""
+        s: Eagle3Settings = plan.settings
+        return Eagle3Target(loaded.model, s.aux_layers, s.supervision, prepared, dtype, nonfinite, capture)
+
+    def side_tensors(self, plan: MethodPlan, loaded: LoadedTarget, prepared: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``embed_tokens``, the draft rows of ``lm_head`` and the vocabulary mapping."""
+        return {
+            "embed_tokens": loaded.input_embeddings().contiguous(),
+            "lm_head": loaded.output_embeddings()[prepared].contiguous(),
+            **vocab_mapping(prepared, plan.settings.vocab_size),
+        }
+
+
+EAGLE3 = Eagle3Method()
+"""The EAGLE-3 method (registered as ``--method eagle3``)."""
 
 
 # ---------------------------------------------------------------------------

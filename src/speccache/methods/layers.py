@@ -48,8 +48,9 @@ from torch.utils.data import DataLoader, Sampler
 from speccache.data import SOURCE_ROW_KEY, source_row_spec
 from speccache.errors import CacheFormatError
 from speccache.format import LENGTHS_KEY, KeySpec, Schema
+from speccache.methods.base import CaptureRequest, LoadedTarget, MethodPlan, PrePass, text_config
 from speccache.methods.decoder import Capture, decoder_layers, forward_capturing
-from speccache.methods.eagle3 import default_aux_layers
+from speccache.methods.eagle3 import Supervision, default_aux_layers
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
 from speccache.read import CacheDataset, PadCollator, Sample
 from speccache.read.source import open_source, reader_sampler
@@ -74,6 +75,7 @@ __all__ = [
     "layers_schema",
     "LayersTarget",
     "side_tensors",
+    "LAYERS",
     "LayerFeatureDataset",
     "build_layer_dataloader",
     "dspark_dataset",
@@ -319,6 +321,72 @@ class LayersTarget:
 def side_tensors(embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> dict[str, torch.Tensor]:
     """The side file's tensors from the target's input embeddings ``[V, H]`` and its whole LM head ``[V, H]``."""
     return {"embed_tokens": embed_tokens.contiguous(), "lm_head": lm_head.contiguous()}
+
+
+class LayersMethod:
+    """The layer methods in ``precompute`` (:class:`speccache.methods.base.Method`): every preset of :data:`PRESETS`
+    is this producer with its own :class:`LayerSelection`; no pre-pass."""
+
+    cache_name = CACHE_NAME
+    side_file = SIDE_FILE
+    presets = PRESETS
+
+    def check_flags(self, cfg: Any) -> None:
+        """EAGLE-3's ``--supervision`` (other than hidden), ``--aux-layers`` and ``--draft-vocab-size`` are refused."""
+        if Supervision.parse(cfg.supervision).mode != "hidden":
+            raise ValueError(
+                f"--supervision {cfg.supervision} is for --method eagle3; --method {cfg.method} stores "
+                "last_hidden_state, from which the LM head in its side file gives the logits"
+            )
+        if cfg.aux_layers is not None or cfg.draft_vocab_size is not None:
+            raise ValueError(
+                f"--aux-layers and --draft-vocab-size are for --method eagle3; --method {cfg.method} takes --layers "
+                "(the EAGLE-3 reader of a layers cache picks its aux layers from them)"
+            )
+
+    def plan(self, cfg: Any, model_config: Any, dtype: torch.dtype) -> MethodPlan:
+        """The preset's selection (:func:`preset_selection`) and its schema.
+
+        Raises:
+            ValueError: bad layer ids or encodings, or flags the preset does not take.
+        """
+        text = text_config(model_config)
+        num_layers = int(text.num_hidden_layers)
+        selection = preset_selection(cfg.method, num_layers, cfg.layers, cfg.last_hidden, cfg.last_prenorm)
+        features = selection.features()
+        return MethodPlan(
+            schema=layers_schema(selection, int(text.hidden_size), dtype, cfg.encodings),
+            config=selection.manifest_config(model_config),
+            request=CaptureRequest(
+                layers=tuple(f.layer for f in features if f.norm == "pre"),
+                embeddings=any(f.norm == "embed" for f in features),
+            ),
+            draft_vocab_size=int(text.vocab_size),
+            settings=selection,
+        )
+
+    def prepare(self, plan: MethodPlan, data: PrePass) -> None:
+        """No pre-pass."""
+
+    def target(
+        self,
+        plan: MethodPlan,
+        loaded: LoadedTarget,
+        capture: Capture,
+        prepared: None,
+        dtype: torch.dtype,
+        nonfinite: str,
+    ) -> LayersTarget:
+        """A :class:`LayersTarget` over ``capture``."""
+        return LayersTarget(loaded.model, plan.settings, dtype, nonfinite, capture)
+
+    def side_tensors(self, plan: MethodPlan, loaded: LoadedTarget, prepared: None) -> dict[str, torch.Tensor]:
+        """The whole ``embed_tokens`` and ``lm_head``."""
+        return side_tensors(loaded.input_embeddings(), loaded.output_embeddings())
+
+
+LAYERS = LayersMethod()
+"""The layer methods (registered as each ``--method`` of :data:`PRESETS`)."""
 
 
 # ---------------------------------------------------------------------------

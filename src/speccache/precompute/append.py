@@ -32,11 +32,11 @@ from torch.utils.data import Dataset
 
 from speccache.data import SAMPLE_TURN_KEY, SKIPPED_ROWS_FILE, SOURCE_ROW_KEY
 from speccache.errors import CacheCorruptError, CacheExistsError, CacheIncompleteError, DataError
-from speccache.format import Manifest, NativeShard, ShardFile, load_manifest_json, manifest_path, shard_path
+from speccache.format import Manifest, NativeShard, load_manifest_json, manifest_path, shard_path
 from speccache.read.view import CACHE_DATA_FIELDS
 from speccache.read.view import DATA_FIELDS as VIEW_DATA_FIELDS
 
-__all__ = ["DATA_FIELDS", "AppendPlan", "AppendedDataset", "merge_stats", "plan_append", "stored_selection"]
+__all__ = ["DATA_FIELDS", "AppendPlan", "AppendedDataset", "merge_stats", "plan_append"]
 
 DATA_FIELDS = CACHE_DATA_FIELDS
 """Configuration fields an append may change: which data the samples come from (those merged views may differ in)."""
@@ -147,15 +147,6 @@ def _stored_tokens(out: str, body: Mapping[str, Any], index: int, count: int) ->
         item.update((k, rows[k][i].to(torch.int64)) for k in _PER_SAMPLE if k in rows)
         items.append(item)
     return items
-
-
-def stored_selection(out: str, side_file: str) -> torch.Tensor:
-    """The cache's draft vocabulary (``selected_token_ids`` of its side file)."""
-    side = ShardFile(os.path.join(out, side_file))
-    try:
-        return side.tensor("selected_token_ids").clone()
-    finally:
-        side.close()
 
 
 class AppendedDataset(Dataset):

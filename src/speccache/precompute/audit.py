@@ -53,13 +53,14 @@ from typing import Any
 import torch
 
 from speccache.data import SOURCE_ROW_KEY, load_chat_tokenizer, tokenizer_hash
+from speccache.engines.base import target_device
+from speccache.engines.hf import load_target
 from speccache.errors import AuditError, SpeccacheError
 from speccache.format import LENGTHS_KEY, Manifest, ShardFile
 from speccache.methods.eagle3 import CACHE_NAME as EAGLE3
 from speccache.methods.eagle3 import SIDE_FILE as EAGLE3_SIDE
 from speccache.methods.eagle3 import Eagle3Target, Supervision
 from speccache.precompute.run import DTYPES, _config_hash, batch_pad_id, pad_tokens
-from speccache.precompute.target import load_target, target_device
 from speccache.read import CacheDataset
 from speccache.read.source import CacheSource, open_source
 from speccache.read.view import ViewDataset

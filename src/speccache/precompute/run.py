@@ -41,36 +41,15 @@ from speccache.data import (
     sample_turn_spec,
     tokenizer_hash,
 )
-from speccache.engines.vllm import ENGINES, VllmEngine, check_vllm_target, vllm_layer_ids, vllm_version
+from speccache.engines.base import target_device
+from speccache.engines.registry import engine_class
 from speccache.errors import DataError, SpeccacheError
 from speccache.format import LENGTHS_KEY, Manifest, Schema, load_manifest_json, manifest_path, shard_samples
 from speccache.format.encoding import parse_encodings
-from speccache.methods.decoder import decoder_layers, final_norm
-from speccache.methods.eagle3 import (
-    CACHE_NAME,
-    SIDE_FILE,
-    Eagle3Target,
-    Supervision,
-    check_aux_layers,
-    default_aux_layers,
-    eagle3_schema,
-    select_draft_vocab,
-    vocab_mapping,
-)
+from speccache.methods.base import Method, MethodPlan, PrePass, text_config
 from speccache.methods.finite import SKIP_REASON, ClearedCounter, check_nonfinite_mode
-from speccache.methods.layers import CACHE_NAME as LAYERS_CACHE_NAME
-from speccache.methods.layers import PRESETS as LAYER_PRESETS
-from speccache.methods.layers import SIDE_FILE as LAYERS_SIDE_FILE
-from speccache.methods.layers import LayerSelection, LayersTarget, layers_schema, preset_selection
-from speccache.methods.layers import side_tensors as layers_side_tensors
-from speccache.precompute.append import DATA_FIELDS, AppendedDataset, merge_stats, plan_append, stored_selection
-from speccache.precompute.target import (
-    check_shard_target,
-    check_tp_plan,
-    load_outer_modules,
-    load_target,
-    target_device,
-)
+from speccache.methods.registry import METHODS, method_for
+from speccache.precompute.append import DATA_FIELDS, AppendedDataset, merge_stats, plan_append
 from speccache.units import human_bytes
 from speccache.write import (
     CacheWriter,
@@ -81,14 +60,12 @@ from speccache.write import (
     compute_shard_runs,
     data_parallel_groups,
     init_from_env,
-    partition_cache_shards,
     shutdown,
 )
 from speccache.write.loops import shard_batches
 
 log = logging.getLogger("speccache.precompute")
 
-METHODS = ("eagle3", *LAYER_PRESETS)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -267,23 +244,7 @@ class PrecomputeConfig:
 
     def check(self) -> None:
         """Check every setting that needs neither the model nor the data contents."""
-        if self.method not in METHODS:
-            raise ValueError(f"--method {self.method!r} is unknown; choose one of {', '.join(METHODS)}")
-        if Supervision.parse(self.supervision).mode != "hidden" and self.method != "eagle3":
-            raise ValueError(
-                f"--supervision {self.supervision} is for --method eagle3; --method {self.method} stores "
-                "last_hidden_state, from which the LM head in its side file gives the logits"
-            )
-        if self.method == "eagle3" and (self.layers is not None or self.last_hidden or self.last_prenorm):
-            raise ValueError(
-                "--layers, --last-hidden and --last-prenorm are for the layer methods; "
-                "--method eagle3 takes --aux-layers"
-            )
-        if self.method != "eagle3" and (self.aux_layers is not None or self.draft_vocab_size is not None):
-            raise ValueError(
-                f"--aux-layers and --draft-vocab-size are for --method eagle3; --method {self.method} takes --layers "
-                "(the EAGLE-3 reader of a layers cache picks its aux layers from them)"
-            )
+        method_for(self.method).check_flags(self)
         check_nonfinite_mode(self.nonfinite)
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
@@ -327,18 +288,7 @@ class PrecomputeConfig:
             raise ValueError(f"--reasoning {self.reasoning!r} is unknown; choose one of {', '.join(REASONING_MODES)}")
         if _looks_local(self.model) and not os.path.isdir(self.model):
             raise FileNotFoundError(f"--model {self.model}: no such model directory")
-        check_shard_target(self.shard_target, self.tp_size)
-        if self.engine not in ENGINES:
-            raise ValueError(f"--engine {self.engine!r} is unknown; choose one of {', '.join(ENGINES)}")
-        if self.engine == "vllm" and self.shard_target != "replicate":
-            raise ValueError(
-                f"--shard-target {self.shard_target} is the hf engine's; --engine vllm parallelises the target "
-                "itself: give --tensor-parallel-size instead"
-            )
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size != 1 and self.engine != "vllm":
-            raise ValueError("--tensor-parallel-size is vLLM's: use it with --engine vllm (or --shard-target tp)")
+        engine_class(self.engine).check_flags(self)
         if self.out and os.path.exists(self.out) and not os.path.isdir(self.out):
             raise NotADirectoryError(f"--out {self.out} is a file; give a directory for the cache")
 
@@ -388,13 +338,12 @@ class Plan:
     tokenizer: Any
     samples: TokenizedSamples
     stats: DataStats
-    aux_layers: list[int]
     vocab_size: int
     hidden_size: int
-    draft_vocab_size: int
     schema: Schema
     manifest_config: dict[str, Any]
-    selection: LayerSelection | None = None
+    method: Method
+    method_plan: MethodPlan
 
     @property
     def num_tokens(self) -> int:
@@ -403,13 +352,18 @@ class Plan:
 
     @property
     def cache_name(self) -> str:
-        """The manifest's ``cache_name``: ``eagle3``, or ``layers`` for every layer method."""
-        return CACHE_NAME if self.selection is None else LAYERS_CACHE_NAME
+        """The manifest's ``cache_name``: the method's (``eagle3``, or ``layers`` for every layer method)."""
+        return self.method.cache_name
 
     @property
     def side_file(self) -> str:
         """The method's side file name."""
-        return SIDE_FILE if self.selection is None else LAYERS_SIDE_FILE
+        return self.method.side_file
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """The vocabulary a draft predicts over (the target's, but for an EAGLE-3 reduced draft vocabulary)."""
+        return self.method_plan.draft_vocab_size
 
 
 def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
@@ -428,35 +382,12 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
         raise FileNotFoundError(
             f"--model {cfg.model}: no model directory or loadable model config there ({exc})"
         ) from exc
-    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    if cfg.engine == "vllm":
-        check_vllm_target(model_config)
-    if cfg.shard_target == "tp":
-        check_tp_plan(model_config, cfg.tp_size or (comm or LocalComm()).world_size)
-    num_layers = int(text_config.num_hidden_layers)
-    selection = None
-    if cfg.method == "eagle3":
-        aux = check_aux_layers(
-            cfg.aux_layers if cfg.aux_layers is not None else default_aux_layers(num_layers), num_layers
-        )
-    else:
-        aux = []
-        selection = preset_selection(cfg.method, num_layers, cfg.layers, cfg.last_hidden, cfg.last_prenorm)
+    engine_class(cfg.engine).check_model(cfg, model_config, (comm or LocalComm()).world_size)
+    method = method_for(cfg.method)
+    method_plan = method.plan(cfg, model_config, DTYPES[cfg.dtype])
+    schema = dict(method_plan.schema)
     tokenizer = load_chat_tokenizer(cfg.model, cfg.chat_template)
-    vocab_size = int(text_config.vocab_size)
-    draft = cfg.draft_vocab_size if cfg.draft_vocab_size is not None else vocab_size
-    if not 1 <= draft <= vocab_size:
-        raise ValueError(f"--draft-vocab-size {draft} must be in [1, {vocab_size}] (the target vocabulary)")
-    supervision = Supervision.parse(cfg.supervision)
-    if supervision.mode == "topk" and supervision.k > draft:
-        raise ValueError(f"--supervision topk:{supervision.k} asks for more than the {draft} draft tokens")
-    hidden = int(text_config.hidden_size)
-    if selection is None:
-        schema = eagle3_schema(hidden, DTYPES[cfg.dtype], supervision, draft, draft == vocab_size, cfg.encodings)
-        method_config: dict[str, Any] = {"aux_layers": aux, "supervision": str(supervision), "draft_vocab_size": draft}
-    else:
-        schema = layers_schema(selection, hidden, DTYPES[cfg.dtype], cfg.encodings)
-        method_config = selection.manifest_config(model_config)
+    vocab_size, hidden = int(text_config(model_config).vocab_size), int(text_config(model_config).hidden_size)
     fmt = chat_format(
         tokenizer,
         cfg.chat_template,
@@ -488,7 +419,7 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
         "batch_size": cfg.batch_size,
         "batching": cfg.batching,
         "max_batch_tokens": cfg.max_batch_tokens,
-        **method_config,
+        **method_plan.config,
         "dtype": cfg.dtype,
         "model_dtype": cfg.model_dtype,
         "vocab_size": vocab_size,
@@ -508,7 +439,7 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
         "engine": cfg.engine,
     }
     return Plan(
-        cfg, model_config, tokenizer, samples, stats, aux, vocab_size, hidden, draft, schema, manifest_config, selection
+        cfg, model_config, tokenizer, samples, stats, vocab_size, hidden, schema, manifest_config, method, method_plan
     )
 
 
@@ -603,22 +534,6 @@ def pad_tokens(items: list[dict[str, torch.Tensor]], pad_id: int = 0) -> dict[st
     return batch
 
 
-def draft_token_counts(plan: Plan, comm: Comm) -> torch.Tensor:
-    """Loss-masked token counts over the whole dataset: each rank counts its block, then all ranks sum."""
-    _, start, n = partition_cache_shards(len(plan.samples), plan.cfg.shard_size, comm.world_size, comm.rank)
-    offsets, end = plan.samples.offsets, len(plan.samples)
-    # a rank that owns no shard starts past the last sample: its block is empty
-    a, b = int(offsets[min(start, end)]), int(offsets[min(start + n, end)])
-    ids = plan.samples.input_ids[a:b][plan.samples.loss_mask[a:b].astype(bool)]
-    counts = np.bincount(np.clip(ids, 0, plan.vocab_size - 1), minlength=plan.vocab_size)
-    return comm.sum_tensor(torch.from_numpy(counts.astype(np.int64)))
-
-
-def _special_ids(tokenizer: Any) -> list[int]:
-    ids = [getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")]
-    return [i for i in ids if isinstance(i, int)]
-
-
 def padded_probs_bytes(num_samples: int, max_length: int, hidden: int, draft_vocab: int, itemsize: int) -> int:
     """Bytes of the layout other tools write: each sample padded to ``max_length``, full draft-vocab probabilities."""
     per_token = (3 * hidden + draft_vocab) * itemsize + 8 + 1
@@ -626,7 +541,11 @@ def padded_probs_bytes(num_samples: int, max_length: int, hidden: int, draft_voc
 
 
 def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bool = True) -> Manifest:
-    """Write the cache of ``cfg.method`` (EAGLE-3 or a layer method); returns the sealed manifest.
+    """Write the cache of ``cfg.method`` with ``cfg.engine``; returns the sealed manifest.
+
+    The method (:mod:`speccache.methods.registry`) plans the schema and what it reads of the target, and runs
+    its pre-pass; the engine (:mod:`speccache.engines.registry`) loads the target and computes those states;
+    the method turns them into rows, which the writer stores.
 
     Under ``--shard-target tp`` the ranks form groups of ``--tp-size``: every rank of a group computes the
     group's batches (the forward is a collective of the group) and the group's first rank writes them.
@@ -641,15 +560,9 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
         DataError, ValueError: bad data or settings (nothing written).
     """
     comm = comm or LocalComm()
-    check_shard_target(cfg.shard_target, cfg.tp_size, comm.world_size)
-    if cfg.engine == "vllm" and comm.world_size > 1:
-        raise ValueError(
-            f"--engine vllm runs as one process (vLLM spreads the target over its own workers), not under "
-            f"torchrun (world size {comm.world_size}): run it without torchrun, with --tensor-parallel-size"
-        )
-    device = target_device(cfg.device)
+    engine = engine_class(cfg.engine)(cfg, comm)
     plan = make_plan(cfg, comm)
-    groups = data_parallel_groups(comm, (cfg.tp_size or comm.world_size) if cfg.shard_target == "tp" else 1)
+    groups = data_parallel_groups(comm, engine.group_size)
     extension = plan_append(cfg.out, plan.manifest_config, len(plan.samples), cfg.shard_size) if cfg.append else None
     writer = None
     if groups.writers is not None:
@@ -665,137 +578,108 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
             append_fields=None if extension is None else DATA_FIELDS,
         )
     groups.from_writer(None if writer is None else writer.preflight)
-    if extension is not None and plan.selection is None:  # an append keeps the cache's draft vocabulary
-        selected = stored_selection(cfg.out, plan.side_file)
-    else:
-        counts = draft_token_counts(plan, comm)
-        selected = select_draft_vocab(counts, plan.draft_vocab_size, _special_ids(plan.tokenizer))
-    if cfg.engine == "vllm":  # vLLM runs the decoder; the methods apply the model's own norm and head
-        loaded = load_outer_modules(cfg.model, cfg.model_dtype)
-    else:
-        loaded = load_target(cfg.model, cfg.model_dtype, device, cfg.shard_target, groups)
-    model = loaded.model
-    engine = _vllm_engine(plan) if cfg.engine == "vllm" else None
-    capture = None if engine is None else engine.capture(final_norm(model), len(decoder_layers(model)))
-    target: Eagle3Target | LayersTarget
+    method, method_plan = plan.method, plan.method_plan
+    prepass = PrePass(plan.samples, plan.tokenizer, cfg.shard_size, comm, cfg.out if extension is not None else None)
+    prepared = method.prepare(method_plan, prepass)
+    try:
+        loaded = engine.open(method_plan.request, groups, int(np.diff(plan.samples.offsets).max()))
+        target = method.target(method_plan, loaded, engine.capture, prepared, DTYPES[cfg.dtype], cfg.nonfinite)
+        compute = target.compute_batch
+        if SAMPLE_TURN_KEY in plan.schema:
 
-    def side_tensors() -> dict[str, torch.Tensor]:
-        if plan.selection is not None:
-            return layers_side_tensors(loaded.input_embeddings(), loaded.output_embeddings())
-        return {
-            "embed_tokens": loaded.input_embeddings().contiguous(),
-            "lm_head": loaded.output_embeddings()[selected].contiguous(),
-            **vocab_mapping(selected, plan.vocab_size),
-        }
+            def compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+                return {**target.compute_batch(batch), SAMPLE_TURN_KEY: batch[SAMPLE_TURN_KEY]}
 
-    if plan.selection is None:
-        supervision = Supervision.parse(cfg.supervision)
-        target = Eagle3Target(model, plan.aux_layers, supervision, selected, DTYPES[cfg.dtype], cfg.nonfinite, capture)
-    else:
-        target = LayersTarget(model, plan.selection, DTYPES[cfg.dtype], cfg.nonfinite, capture)
-    compute = target.compute_batch
-    if SAMPLE_TURN_KEY in plan.schema:
+        pad_id = batch_pad_id(plan.tokenizer)
+        dataset: Dataset = TokenizedDataset(plan.samples)
+        loader = DataLoader(
+            dataset if extension is None else AppendedDataset(extension, dataset),
+            batch_size=cfg.batch_size,
+            collate_fn=lambda b: pad_tokens(b, pad_id),
+        )
+        ragged = [k for k, s in plan.schema.items() if s.ragged]
 
-        def compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            return {**target.compute_batch(batch), SAMPLE_TURN_KEY: batch[SAMPLE_TURN_KEY]}
+        def shard_plan(start: int, end: int) -> list[list[int]]:
+            lengths = [int(loader.dataset[i]["input_ids"].numel()) for i in range(start, end)]
+            return [[start + i for i in b] for b in shard_batches(lengths, cfg.batch_size, cfg.max_batch_tokens)]
 
-    pad_id = batch_pad_id(plan.tokenizer)
-    dataset: Dataset = TokenizedDataset(plan.samples)
-    loader = DataLoader(
-        dataset if extension is None else AppendedDataset(extension, dataset),
-        batch_size=cfg.batch_size,
-        collate_fn=lambda b: pad_tokens(b, pad_id),
-    )
-    ragged = [k for k, s in plan.schema.items() if s.ragged]
+        sorted_plan = shard_plan if cfg.batching == "sorted" else None
+        # A forward that is a collective of all ranks (fsdp) needs every rank to take the same number of steps;
+        # a tensor-parallel forward is a collective of its group, whose ranks all compute the same batches.
+        lockstep = comm.max_int if comm.world_size > 1 and groups.size == 1 else None
+        if writer is None:  # a tensor-parallel rank that computes its group's batches for the group's writer
+            shards = groups.from_writer(None)
+            compute_shard_runs(loader, cfg.out, cfg.shard_size, shards, compute, _discard, log, shard_plan=sorted_plan)
+            comm.max_int(0)  # returns once every writer has sealed the cache
+            return Manifest.read(cfg.out)
 
-    def shard_plan(start: int, end: int) -> list[list[int]]:
-        lengths = [int(loader.dataset[i]["input_ids"].numel()) for i in range(start, end)]
-        return [[start + i for i in b] for b in shard_batches(lengths, cfg.batch_size, cfg.max_batch_tokens)]
+        itemsize = torch.empty((), dtype=DTYPES[cfg.dtype]).element_size()
+        started = time.monotonic()
+        side_file = SideFile(
+            plan.side_file,
+            lambda: method.side_tensors(method_plan, loaded, prepared),
+            {"speccache_side": plan.cache_name},
+        )
+        skipped = plan.stats.skipped_rows_jsonl(plan.manifest_config["data"])
+        if extension is not None:  # the rows of the cache's earlier data files, then this file's
+            skipped = extension.skipped_before + skipped
+        # skipped_rows.jsonl is written only when a row was skipped, so a clean dataset's cache has no empty file.
+        skipped_file = SideFile(SKIPPED_ROWS_FILE, content=lambda: skipped, rewritten_on_append=True)
+        side_files = (side_file, skipped_file) if skipped else (side_file,)
+        with contextlib.ExitStack() as stack:
+            run: WriteRun | None = None
 
-    sorted_plan = shard_plan if cfg.batching == "sorted" else None
-    # A forward that is a collective of all ranks (fsdp) needs every rank to take the same number of steps;
-    # a tensor-parallel forward is a collective of its group, whose ranks all compute the same batches.
-    lockstep = comm.max_int if comm.world_size > 1 and groups.size == 1 else None
-    if writer is None:  # a tensor-parallel rank that computes its group's batches for the group's writer
-        shards = groups.from_writer(None)
-        compute_shard_runs(loader, cfg.out, cfg.shard_size, shards, compute, _discard, log, shard_plan=sorted_plan)
-        comm.max_int(0)  # returns once every writer has sealed the cache
-        return Manifest.read(cfg.out)
+            def begin() -> list[int]:
+                nonlocal run
+                run = stack.enter_context(writer.writing(side_files=side_files))
+                return run.shards
 
-    itemsize = torch.empty((), dtype=DTYPES[cfg.dtype]).element_size()
-    started = time.monotonic()
-    side_file = SideFile(plan.side_file, side_tensors, {"speccache_side": plan.cache_name})
-    skipped = plan.stats.skipped_rows_jsonl(plan.manifest_config["data"])
-    if extension is not None:  # the rows of the cache's earlier data files, then this file's
-        skipped = extension.skipped_before + skipped
-    # skipped_rows.jsonl is written only when a row was skipped, so a clean dataset's cache has no empty file.
-    skipped_file = SideFile(SKIPPED_ROWS_FILE, content=lambda: skipped, rewritten_on_append=True)
-    side_files = (side_file, skipped_file) if skipped else (side_file,)
-    with contextlib.ExitStack() as stack:
-        if engine is not None:
-            stack.callback(engine.close)
-        run: WriteRun | None = None
+            groups.from_writer(begin)  # the group's other ranks compute the same shards
+            assert run is not None
+            todo_samples = sum(shard_samples(i, writer.manifest.num_samples, cfg.shard_size) for i in run.shards)
+            bar = _Progress(todo_samples, enabled=progress and comm.rank == 0)
 
-        def begin() -> list[int]:
-            nonlocal run
-            run = stack.enter_context(writer.writing(side_files=side_files))
-            return run.shards
+            def on_batch(out: dict[str, torch.Tensor]) -> None:
+                bar.update(int(out[LENGTHS_KEY].numel()), int(out[LENGTHS_KEY].sum()), writer.shard_writer.records)
 
-        groups.from_writer(begin)  # the group's other ranks compute the same shards
-        assert run is not None
-        todo_samples = sum(shard_samples(i, writer.manifest.num_samples, cfg.shard_size) for i in run.shards)
-        bar = _Progress(todo_samples, enabled=progress and comm.rank == 0)
-
-        def on_batch(out: dict[str, torch.Tensor]) -> None:
-            bar.update(int(out[LENGTHS_KEY].numel()), int(out[LENGTHS_KEY].sum()), writer.shard_writer.records)
-
-        cleared = ClearedCounter(run.write_shard)
-        cleared.count_kept(cfg.out, plan.schema, sorted(set(writer.local_shards) - set(run.shards)))
-        try:
-            compute_shard_runs(
-                loader,
-                cfg.out,
-                cfg.shard_size,
-                run.shards,
-                compute,
-                cleared.write_shard,
-                log,
-                ragged_keys=ragged,
-                sync_max_steps=lockstep,
-                on_batch=on_batch,
-                shard_plan=sorted_plan,
-            )
-        finally:
-            bar.close()
-        run.stats = {
-            "rows_read": plan.stats.rows_read,
-            "skipped_rows": dict(sorted(plan.stats.skipped.items())),
-            "rows_truncated": plan.stats.rows_truncated,
-            "samples": len(plan.samples),
-            "tokens": plan.num_tokens,
-            "computed_tokens": computed_tokens(plan.samples.lengths.tolist(), cfg),
-            "padded_probs_bytes": padded_probs_bytes(
-                len(plan.samples), cfg.max_length, plan.hidden_size, plan.draft_vocab_size, itemsize
-            ),
-        }
-        if extension is not None:
-            run.stats = merge_stats(extension.stats_before, run.stats)
-        # counted over every shard of the cache (an append's too): a total, not a sum
-        nonfinite = int(writer.comm.sum_tensor(torch.tensor([cleared.total], dtype=torch.int64))[0])
-        if nonfinite or cfg.nonfinite == "skip":
-            run.stats.setdefault("skipped_rows", {})[SKIP_REASON] = nonfinite
-        if engine is not None:  # informational, as the parallel settings: a resume may change them
-            run.stats["engine"] = {
-                "name": cfg.engine,
-                "version": vllm_version(),
-                "tensor_parallel_size": cfg.tensor_parallel_size,
+            cleared = ClearedCounter(run.write_shard)
+            cleared.count_kept(cfg.out, plan.schema, sorted(set(writer.local_shards) - set(run.shards)))
+            try:
+                compute_shard_runs(
+                    loader,
+                    cfg.out,
+                    cfg.shard_size,
+                    run.shards,
+                    compute,
+                    cleared.write_shard,
+                    log,
+                    ragged_keys=ragged,
+                    sync_max_steps=lockstep,
+                    on_batch=on_batch,
+                    shard_plan=sorted_plan,
+                )
+            finally:
+                bar.close()
+            run.stats = {
+                "rows_read": plan.stats.rows_read,
+                "skipped_rows": dict(sorted(plan.stats.skipped.items())),
+                "rows_truncated": plan.stats.rows_truncated,
+                "samples": len(plan.samples),
+                "tokens": plan.num_tokens,
+                "computed_tokens": computed_tokens(plan.samples.lengths.tolist(), cfg),
+                "padded_probs_bytes": padded_probs_bytes(
+                    len(plan.samples), cfg.max_length, plan.hidden_size, plan.draft_vocab_size, itemsize
+                ),
             }
-        if cfg.shard_target != "replicate":  # informational: a resume may change the mode and the world size
-            run.stats["parallel"] = {
-                "shard_target": cfg.shard_target,
-                "world_size": comm.world_size,
-                **({"tp_size": groups.size} if cfg.shard_target == "tp" else {}),
-            }
+            if extension is not None:
+                run.stats = merge_stats(extension.stats_before, run.stats)
+            # counted over every shard of the cache (an append's too): a total, not a sum
+            nonfinite = int(writer.comm.sum_tensor(torch.tensor([cleared.total], dtype=torch.int64))[0])
+            if nonfinite or cfg.nonfinite == "skip":
+                run.stats.setdefault("skipped_rows", {})[SKIP_REASON] = nonfinite
+            run.stats.update(engine.record())
+    finally:
+        engine.close()
     if groups.size > 1:
         comm.max_int(0)  # the group's other ranks return once the cache is sealed
     manifest = writer.manifest
@@ -817,25 +701,6 @@ def computed_tokens(lengths: Sequence[int], cfg: PrecomputeConfig) -> int:
             ]
         total += sum(len(b) * max(shard[i] for i in b) for b in batches)
     return total
-
-
-def _vllm_engine(plan: Plan) -> VllmEngine:
-    """The vLLM engine extracting what the plan's method reads: its decoder layers (and the embeddings) and the
-    final norm's input; started at its first batch, so a resume with nothing left to do never starts it."""
-    if plan.selection is None:
-        outputs, embeddings = plan.aux_layers, False
-    else:
-        features = plan.selection.features()
-        outputs, embeddings = [f.layer for f in features if f.norm == "pre"], any(f.norm == "embed" for f in features)
-    cfg = plan.cfg
-    ids = vllm_layer_ids(outputs, embeddings, int(plan.model_config.get_text_config().num_hidden_layers))
-    return VllmEngine(
-        cfg.model,
-        ids,
-        dtype=cfg.model_dtype,
-        max_model_len=int(np.diff(plan.samples.offsets).max()) + 1,  # the longest prompt and its one sampled token
-        tensor_parallel_size=cfg.tensor_parallel_size,
-    )
 
 
 def _discard(output_dir: str, index: int, samples: dict[str, torch.Tensor]) -> str:

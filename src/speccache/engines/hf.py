@@ -1,5 +1,5 @@
-"""Loading the target: whole on each rank (``replicate``), FSDP2-sharded over all ranks (``fsdp``), or
-tensor-parallel over groups of ranks (``tp``).
+"""The ``hf`` engine: the target run by transformers, loaded whole on each rank (``replicate``), FSDP2-sharded
+over all ranks (``fsdp``), or tensor-parallel over groups of ranks (``tp``).
 
 ``fsdp`` builds the model on the meta device, wraps every decoder layer, the
 decoder and the output head with ``torch.distributed.fsdp.fully_shard``, and
@@ -17,6 +17,8 @@ the model, and a forward talks only within its group.
 The side file (embeddings, LM-head rows) of a sharded target is read from the
 checkpoint by the rank that writes it, so it needs no collective and no other
 rank ever materialises those tensors.
+
+The forward is :func:`speccache.methods.decoder.forward_capturing` over the loaded model (:class:`HfEngine`).
 """
 
 from __future__ import annotations
@@ -24,15 +26,17 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from speccache.methods.decoder import decoder_layers
+from speccache.engines.base import target_device
+from speccache.methods.base import CaptureRequest, LoadedTarget
+from speccache.methods.decoder import decoder_layers, forward_capturing
+from speccache.write import Comm
 from speccache.write.dist import (
     DataParallelGroups,
     TorchComm,
@@ -46,40 +50,15 @@ from speccache.write.dist import (
 
 __all__ = [
     "SHARD_MODES",
-    "LoadedTarget",
+    "HfEngine",
     "load_target",
     "load_outer_modules",
-    "target_device",
     "check_shard_target",
     "check_tp_plan",
 ]
 
 SHARD_MODES = ("replicate", "fsdp", "tp")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-@dataclass
-class LoadedTarget:
-    """A target ready for inference and the way to read its full embedding matrices.
-
-    Attributes:
-        model: the causal LM (plain, FSDP2-wrapped or tensor-parallel).
-        input_embeddings: the full input embedding matrix, on the CPU (called only by the writing rank).
-        output_embeddings: the full LM-head matrix, on the CPU (called only by the writing rank).
-    """
-
-    model: nn.Module
-    input_embeddings: Callable[[], torch.Tensor]
-    output_embeddings: Callable[[], torch.Tensor]
-
-
-def target_device(device: str | None) -> torch.device:
-    """The target's device: ``device``, else CUDA (``cuda:LOCAL_RANK`` under torchrun) if available, else CPU."""
-    if device:
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
 
 
 def check_shard_target(mode: str, tp_size: int | None = None, world_size: int | None = None) -> None:
@@ -127,6 +106,64 @@ def check_tp_plan(model_config: Any, tp_size: int) -> None:
                 f"--tp-size {tp_size} must divide the model's {name} ({heads}): each rank takes whole heads. "
                 "Choose a divisor, or --shard-target fsdp"
             )
+
+
+class HfEngine:
+    """The ``hf`` engine (:class:`speccache.engines.base.Engine`): the target loaded as ``--shard-target`` says,
+    its decoder run by :func:`speccache.methods.decoder.forward_capturing` over right-padded batches.
+
+    Raises:
+        ValueError: a sharded mode in a plain process.
+    """
+
+    name = "hf"
+
+    @classmethod
+    def check_flags(cls, cfg: Any) -> None:
+        """Check ``--shard-target`` and ``--tp-size``; refuse vLLM's ``--tensor-parallel-size``."""
+        check_shard_target(cfg.shard_target, cfg.tp_size)
+        if cfg.tensor_parallel_size != 1:
+            raise ValueError("--tensor-parallel-size is vLLM's: use it with --engine vllm (or --shard-target tp)")
+
+    @classmethod
+    def check_model(cls, cfg: Any, model_config: Any, world_size: int) -> None:
+        """Under ``--shard-target tp``: whether transformers can split the architecture over ``--tp-size`` ranks."""
+        if cfg.shard_target == "tp":
+            check_tp_plan(model_config, cfg.tp_size or world_size)
+
+    def __init__(self, cfg: Any, comm: Comm) -> None:
+        check_shard_target(cfg.shard_target, cfg.tp_size, comm.world_size)
+        self.cfg, self.comm = cfg, comm
+        self.group_size = (cfg.tp_size or comm.world_size) if cfg.shard_target == "tp" else 1
+        self.model: nn.Module | None = None
+
+    def open(self, request: CaptureRequest, groups: DataParallelGroups, max_tokens: int) -> LoadedTarget:
+        """Load the whole target (every layer may be captured: ``request`` and ``max_tokens`` change nothing)."""
+        cfg = self.cfg
+        loaded = load_target(cfg.model, cfg.model_dtype, target_device(cfg.device), cfg.shard_target, groups)
+        self.model = loaded.model
+        return loaded
+
+    def capture(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        outputs: Mapping[Hashable, int],
+        input_of_first: Hashable | None = None,
+    ) -> tuple[torch.Tensor, dict[Hashable, torch.Tensor]]:
+        """:func:`speccache.methods.decoder.forward_capturing` over the opened model."""
+        assert self.model is not None, "HfEngine.capture before open"
+        return forward_capturing(self.model, input_ids, attention_mask, outputs, input_of_first)
+
+    def close(self) -> None:
+        """Nothing to release: the model goes with the engine."""
+
+    def record(self) -> dict[str, Any]:
+        """``parallel`` for a sharded target (informational: a resume may change the mode and the world size)."""
+        if self.cfg.shard_target == "replicate":
+            return {}
+        parallel = {"shard_target": self.cfg.shard_target, "world_size": self.comm.world_size}
+        return {"parallel": {**parallel, **({"tp_size": self.group_size} if self.cfg.shard_target == "tp" else {})}}
 
 
 def load_target(

@@ -1,0 +1,71 @@
+"""The engine protocol: what runs the target's decoder for ``speccache precompute`` (``--engine``).
+
+An engine loads the target (or only what a method needs of it outside the decoder layers), then computes the
+hidden states a method asks for (its :class:`speccache.methods.base.CaptureRequest`) for each padded batch of
+token ids, as a :data:`speccache.methods.decoder.Capture`. The method turns them into cache rows; the engine
+never sees the schema or the writer. An engine is a class: its class methods check the flags and the model
+config before anything is loaded, an instance is one run's engine. :mod:`.registry` maps ``--engine`` to it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Hashable, Mapping
+from typing import Any, Protocol
+
+import torch
+
+from speccache.methods.base import CaptureRequest, LoadedTarget
+from speccache.write import Comm, DataParallelGroups
+
+__all__ = ["Engine", "target_device"]
+
+
+def target_device(device: str | None) -> torch.device:
+    """The target's device: ``device``, else CUDA (``cuda:LOCAL_RANK`` under torchrun) if available, else CPU."""
+    if device:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+class Engine(Protocol):
+    """One run's engine. ``cfg`` is a :class:`speccache.precompute.run.PrecomputeConfig`.
+
+    Attributes:
+        name: what ``--engine`` calls it (recorded as the manifest's ``config.engine``).
+        group_size: how many ranks compute each batch together (a tensor-parallel group); their first rank writes.
+    """
+
+    name: str
+    group_size: int
+
+    @classmethod
+    def check_flags(cls, cfg: Any) -> None:
+        """Refuse the flags this engine does not take, before anything is read (``ValueError``)."""
+
+    @classmethod
+    def check_model(cls, cfg: Any, model_config: Any, world_size: int) -> None:
+        """Refuse a target this engine cannot run, from its config alone, before the data is read."""
+
+    def __init__(self, cfg: Any, comm: Comm) -> None:
+        """Refuse a world this engine cannot run in (it starts nothing)."""
+
+    def open(self, request: CaptureRequest, groups: DataParallelGroups, max_tokens: int) -> LoadedTarget:
+        """Load the target for a method that reads ``request``, for sequences of at most ``max_tokens`` tokens."""
+
+    def capture(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        outputs: Mapping[Hashable, int],
+        input_of_first: Hashable | None = None,
+    ) -> tuple[torch.Tensor, dict[Hashable, torch.Tensor]]:
+        """The :data:`speccache.methods.decoder.Capture` of the opened target (for the layers ``open`` was given)."""
+
+    def close(self) -> None:
+        """Release what :meth:`open` started (called whether the run succeeded or not)."""
+
+    def record(self) -> dict[str, Any]:
+        """Entries for the manifest's ``stats`` (informational: a resume may change them), e.g. ``engine``."""

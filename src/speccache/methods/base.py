@@ -1,0 +1,143 @@
+"""The method protocol: what ``speccache precompute`` asks of a speculative method (``--method``).
+
+A method declares what it reads of the target (a :class:`CaptureRequest`), an engine computes it for each
+batch, and the method turns it into the rows the writer takes. ``precompute/run.py`` only looks a method up
+in :mod:`.registry` and calls it: a new method is one module of this room and one registry entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from speccache.data import TokenizedSamples
+from speccache.format import Schema
+from speccache.methods.decoder import Capture
+from speccache.write import Comm
+
+__all__ = ["CaptureRequest", "LoadedTarget", "Method", "MethodPlan", "MethodTarget", "PrePass", "text_config"]
+
+
+def text_config(model_config: Any) -> Any:
+    """The text model's config of ``model_config`` (itself for a text-only model)."""
+    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+
+
+@dataclass(frozen=True)
+class CaptureRequest:
+    """What a method reads of the target for every token, besides the final-norm output (which every engine
+    returns as ``last_hidden_state``; logits are the method's, from the LM head of :attr:`LoadedTarget.model`).
+
+    Attributes:
+        layers: decoder layers whose outputs (before the final norm) it reads; the last layer's is the pre-norm
+            last state.
+        embeddings: whether it reads the embedding output (the first decoder layer's input).
+    """
+
+    layers: tuple[int, ...] = ()
+    embeddings: bool = False
+
+
+@dataclass
+class LoadedTarget:
+    """A target ready for inference, as an engine hands it to a method, and its full embedding matrices.
+
+    Attributes:
+        model: the causal LM (plain, FSDP2-wrapped, tensor-parallel, or only its modules outside the decoder
+            layers when an engine runs those itself): what a method applies the LM head of.
+        input_embeddings: the full input embedding matrix, on the CPU (called only by the writing rank).
+        output_embeddings: the full LM-head matrix, on the CPU (called only by the writing rank).
+    """
+
+    model: nn.Module
+    input_embeddings: Callable[[], torch.Tensor]
+    output_embeddings: Callable[[], torch.Tensor]
+
+
+@dataclass
+class MethodPlan:
+    """What a method decided from the config and the model config, before the data or the model is read.
+
+    Attributes:
+        schema: the cache's keys (``source_row`` included; precompute adds what is not the method's).
+        config: the method's fields of the manifest's ``config`` (what a resume compares).
+        request: what it reads of the target.
+        draft_vocab_size: the vocabulary a draft predicts over (the summary's padded full-probability layout).
+        settings: the method's own decisions, for its :meth:`Method.prepare`, :meth:`Method.target` and
+            :meth:`Method.side_tensors`.
+    """
+
+    schema: Schema
+    config: dict[str, Any]
+    request: CaptureRequest
+    draft_vocab_size: int
+    settings: Any
+
+
+@dataclass(frozen=True)
+class PrePass:
+    """What a method's whole-dataset pre-pass (before the model is loaded) may read.
+
+    Attributes:
+        samples: every sample of the cache's new data.
+        tokenizer: the target's tokenizer.
+        shard_size: samples per shard (which block of samples a rank holds).
+        comm: the process group (a pre-pass that counts sums over every rank).
+        appending_to: the sealed cache an ``--append`` extends, else ``None``: what its pre-pass decided is
+            kept from that cache (its side file).
+    """
+
+    samples: TokenizedSamples
+    tokenizer: Any
+    shard_size: int
+    comm: Comm
+    appending_to: str | None
+
+
+class MethodTarget(Protocol):
+    """A method's producer of rows over an opened target."""
+
+    def compute_batch(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A padded token batch in, ragged cache rows (and ``__lengths__``) out, on the CPU."""
+
+
+class Method(Protocol):
+    """A speculative method's part in ``precompute``. ``cfg`` is a :class:`speccache.precompute.run.PrecomputeConfig`.
+
+    Attributes:
+        cache_name: the manifest's ``cache_name`` (what its readers open).
+        side_file: the name of its side file.
+        presets: each ``--method`` name it answers to, and what that stores.
+    """
+
+    cache_name: str
+    side_file: str
+    presets: Mapping[str, str]
+
+    def check_flags(self, cfg: Any) -> None:
+        """Refuse, before anything is read, the flags this method does not take (``ValueError``)."""
+
+    def plan(self, cfg: Any, model_config: Any, dtype: torch.dtype) -> MethodPlan:
+        """Decide the schema (float features stored as ``dtype``), the manifest fields and the capture request
+        from the settings and the model config (``ValueError`` for bad settings)."""
+
+    def prepare(self, plan: MethodPlan, data: PrePass) -> Any:
+        """The whole-dataset pre-pass (e.g. EAGLE-3's draft vocabulary), run before the model is loaded."""
+
+    def target(
+        self,
+        plan: MethodPlan,
+        loaded: LoadedTarget,
+        capture: Capture,
+        prepared: Any,
+        dtype: torch.dtype,
+        nonfinite: str,
+    ) -> MethodTarget:
+        """The producer of rows over ``loaded``, whose hidden states ``capture`` computes."""
+
+    def side_tensors(self, plan: MethodPlan, loaded: LoadedTarget, prepared: Any) -> dict[str, torch.Tensor]:
+        """The tensors of its side file (called by the writing rank only)."""
