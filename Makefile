@@ -54,9 +54,11 @@ engine-env: $(ENGINE_VENV)/.installed
 test-engine: engine-env
 	VLLM_CPU_NUM_OF_RESERVED_CPU=0 $(ENGINE_PY) -m pytest -q -p no:cacheprovider tests/engine
 
-# tokens/s of --engine hf against --engine vllm on the demo data (benchmarks/engines.py), into docs/benchmarks.md.
+# tokens/s of --engine hf against --engine vllm on the demo data (benchmarks/engines.py), and the batching section
+# again with its --engine vllm row (benchmarks/batching.py adds it where vLLM is installed), into docs/benchmarks.md.
 bench-engine: engine-env
 	$(ENGINE_PY) benchmarks/engines.py --out docs/benchmarks.md
+	$(ENGINE_PY) benchmarks/batching.py --out docs/benchmarks.md
 
 test: install
 	SPECCACHE_SEED=$(SEED) $(PY) -m pytest -q -p no:cacheprovider
@@ -72,6 +74,7 @@ demo: install
 bench: install
 	$(PY) benchmarks/run.py --out docs/benchmarks.md
 	$(PY) benchmarks/data.py --out docs/benchmarks.md
+	$(PY) benchmarks/batching.py --out docs/benchmarks.md
 	$(PY) benchmarks/shard_memory.py --model-dir bench-out/shard-memory-model --tiny-dir bench-out/shard-memory-tiny --out docs/benchmarks.md
 
 footprint: install

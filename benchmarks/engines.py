@@ -23,6 +23,13 @@ from docsection import replace_section  # benchmarks/, beside this script
 BEGIN, END = "<!-- engines-benchmark:begin -->", "<!-- engines-benchmark:end -->"
 
 
+def vllm_environment() -> None:
+    """vLLM's settings for a CPU benchmark (unless set): no core kept back, 2 GiB of KV cache, no hub."""
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model directory (default: the demo Llama with heads of 32)")
@@ -34,9 +41,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="markdown file whose engines section is replaced (or appended)")
     args = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    vllm_environment()
 
     import torch
     from torch.utils.data import DataLoader

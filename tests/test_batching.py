@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from speccache.read import CacheDataset
 from speccache.write.loops import batch_of, shard_batches
 
 pytestmark = pytest.mark.usefixtures("offline_single_thread")
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "batching.py"
 
 
 @pytest.mark.parametrize("budget", [None, 1, 40, 100])
@@ -99,3 +102,21 @@ def test_a_cache_from_before_sorted_batches_resumes_with_batching_ordered(tiny_m
     assert "config.batching: cache has 'ordered', this run has 'sorted'" in capsys.readouterr().err
     _precompute(tiny_models, out, *argv, "--batching", "ordered")
     assert json.loads((out / "manifest.json").read_text())["complete"] is True
+
+
+@pytest.mark.timeout(600)
+def test_the_batching_benchmark_reports_each_setting_in_its_own_section(tmp_path):
+    doc, work = tmp_path / "benchmarks.md", tmp_path / "work"
+    doc.write_text("# Benchmarks\n\nkept\n")
+    cmd = [sys.executable, str(BENCH), "--samples", "16", "--mean", "64", "--max-length", "256", "--budgets", "512",
+           "--targets", "tiny", "--no-demo", "--work-dir", str(work), "--out", str(doc)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nkept\n\n<!-- batching-benchmark:begin -->")
+    rows = {line.split(" | ")[2]: line.split(" | ") for line in text.splitlines() if line.startswith("| tiny |")}
+    ordered, sorted_, budget = (rows[f"`{s}`"] for s in ("--batching ordered --batch-size 8",
+                                "--batching sorted --batch-size 8", "--max-batch-tokens 512"))  # fmt: skip
+    assert 1 <= float(sorted_[4]) < float(ordered[4]) and 1 <= float(budget[4])  # computed / real tokens
+    assert sorted_[8].startswith("equal: ") and budget[8].startswith("equal: ")  # the caches were compared
+    assert sorted(os.listdir(work)) == ["long-tailed.jsonl", "tiny"]  # the caches are removed, the target kept
