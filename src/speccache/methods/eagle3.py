@@ -33,7 +33,10 @@ The side file ``eagle3_side.safetensors`` holds ``embed_tokens`` ``[V, H]`` (the
 draft initialises its embedding from it), ``lm_head`` ``[Vd, H]`` (the draft rows),
 ``selected_token_ids`` (int64 ``[Vd]``, ascending), ``d2t`` (int64 ``[Vd]``,
 ``target_id = draft_id + d2t[draft_id]`` as vLLM uses it) and ``t2d`` (bool ``[V]``,
-as SGLang uses it).
+as SGLang uses it). For a target whose LM head is its input embedding (``tie_word_embeddings``: SmolLM2,
+Llama-3.2-1B, Gemma, small Qwen) the file stores the matrix once: its metadata records
+``tie_word_embeddings``, it has no ``lm_head`` tensor, and :func:`read_side_file` gives readers
+``embed_tokens[selected_token_ids]`` in its place.
 """
 
 from __future__ import annotations
@@ -68,6 +71,10 @@ __all__ = [
     "eagle3_schema",
     "select_draft_vocab",
     "vocab_mapping",
+    "ties_embeddings",
+    "side_metadata",
+    "side_tensors",
+    "read_side_file",
     "Eagle3Target",
     "Eagle3CacheDataset",
     "build_eagle3_dataloader",
@@ -226,6 +233,60 @@ def vocab_mapping(selected: torch.Tensor, vocab_size: int) -> dict[str, torch.Te
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[selected] = True
     return {"selected_token_ids": selected, "d2t": selected - torch.arange(selected.numel()), "t2d": t2d}
+
+
+# ---------------------------------------------------------------------------
+# the side file
+
+# The side-file metadata entry of a tied target (absent before tied targets were stored once).
+TIED_KEY = "tie_word_embeddings"
+
+
+def ties_embeddings(model_config: Any) -> bool:
+    """Whether the target's config ties its LM head to its input embedding (transformers' ``tie_word_embeddings``)."""
+    return bool(getattr(model_config, TIED_KEY, False))
+
+
+def side_metadata(tied: bool) -> dict[str, str]:
+    """The side file's safetensors metadata; ``tied``: the target's config ties its head to its embedding."""
+    return {"speccache_side": CACHE_NAME, **({TIED_KEY: "true"} if tied else {})}
+
+
+def side_tensors(
+    embed_tokens: torch.Tensor, lm_head: torch.Tensor, selected: torch.Tensor, vocab_size: int, tied: bool
+) -> dict[str, torch.Tensor]:
+    """The side file's tensors from the target's input embedding and whole LM head ``[V, H]`` and the draft
+    vocabulary. A tied target's head is left out (stored once, as ``embed_tokens``) when it is the embedding,
+    as transformers ties them: its config says so and the checkpoint's head, if it has one, is equal."""
+    same = tied and torch.equal(lm_head, embed_tokens)
+    head = {} if same else {"lm_head": lm_head[selected].contiguous()}
+    return {"embed_tokens": embed_tokens.contiguous(), **head, **vocab_mapping(selected, vocab_size)}
+
+
+def read_side_file(path: str, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` (default: all) of an EAGLE-3 side file, as copies; a tied target's file that
+    stores the matrix once gives ``lm_head`` as the draft rows of ``embed_tokens``, the tensor an untied
+    file stores, so every reader sees the same tensors.
+
+    Raises:
+        CacheFormatError: a named tensor the file does not hold.
+    """
+    side = ShardFile(path)
+    try:
+        tied = side.metadata.get(TIED_KEY) == "true" and "lm_head" not in side.keys()
+        stored = list(side.keys()) + (["lm_head"] if tied else [])
+        missing = sorted(set(names or ()) - set(stored))
+        if missing:
+            raise CacheFormatError(
+                f"{path}: the side file lacks {missing} (it holds {sorted(stored)}), which this reader needs; "
+                "use a cache written by speccache precompute"
+            )
+        out = {name: side.tensor(name).clone() for name in side.keys() if names is None or name in names}
+        if tied and (names is None or "lm_head" in names):
+            out["lm_head"] = side.tensor("embed_tokens")[side.tensor("selected_token_ids")]
+        return out
+    finally:
+        side.close()
 
 
 # ---------------------------------------------------------------------------
@@ -501,8 +562,9 @@ class TargetHead(nn.Module):
         Raises:
             CacheFormatError: not an EAGLE-3 cache or view, or a view whose sources' side files differ.
         """
-        side = ShardFile(open_source(cache_dir, CACHE_NAME).side_file(SIDE_FILE))
-        head = cls(side.tensor("lm_head").clone(), side.tensor("selected_token_ids").clone())
+        path = open_source(cache_dir, CACHE_NAME).side_file(SIDE_FILE)
+        side = read_side_file(path, ("lm_head", "selected_token_ids"))
+        head = cls(side["lm_head"], side["selected_token_ids"])
         return head.to(device) if device is not None else head
 
     def forward(

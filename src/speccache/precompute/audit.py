@@ -54,10 +54,10 @@ import torch
 
 from speccache.data import SOURCE_ROW_KEY, load_chat_tokenizer, tokenizer_hash
 from speccache.errors import AuditError, SpeccacheError
-from speccache.format import LENGTHS_KEY, Manifest, ShardFile
+from speccache.format import LENGTHS_KEY, Manifest
 from speccache.methods.eagle3 import CACHE_NAME as EAGLE3
 from speccache.methods.eagle3 import SIDE_FILE as EAGLE3_SIDE
-from speccache.methods.eagle3 import Eagle3Target, Supervision
+from speccache.methods.eagle3 import Eagle3Target, Supervision, read_side_file
 from speccache.precompute.run import DTYPES, _config_hash, batch_pad_id, pad_tokens
 from speccache.precompute.target import load_target, target_device
 from speccache.read import CacheDataset
@@ -136,11 +136,7 @@ def _relative_error(stored: torch.Tensor, live: torch.Tensor) -> float:
 
 
 def _eagle3_target(source: CacheSource, config: Mapping[str, Any], model: torch.nn.Module) -> Callable[..., Any]:
-    side = ShardFile(source.side_file(EAGLE3_SIDE))
-    try:
-        selected = side.tensor("selected_token_ids").clone()
-    finally:
-        side.close()
+    selected = read_side_file(source.side_file(EAGLE3_SIDE), ("selected_token_ids",))["selected_token_ids"]
     # skip: a sample whose live features are not finite comes back cleared (no supervised token), which the audit
     # reports, instead of an error that would stop it, and that precompute's advice (--nonfinite skip) would not fix
     target = Eagle3Target(
@@ -202,17 +198,13 @@ def _compare_weight_rows(path: str, name: str, stored: torch.Tensor, live: torch
 
 def _check_side_weights(source: CacheSource, model: torch.nn.Module, report: AuditReport) -> None:
     path = source.side_file(EAGLE3_SIDE)
-    side = ShardFile(path)
-    try:
-        rows = side.tensor("selected_token_ids").to(torch.int64)
-        live = {
-            "embed_tokens": model.get_input_embeddings().weight.detach().cpu(),
-            "lm_head": model.get_output_embeddings().weight.detach().cpu()[rows],
-        }
-        for name, value in live.items():
-            report.problems.extend(_compare_weight_rows(path, name, side.tensor(name), value))
-    finally:
-        side.close()
+    side = read_side_file(path, ("embed_tokens", "lm_head", "selected_token_ids"))
+    live = {
+        "embed_tokens": model.get_input_embeddings().weight.detach().cpu(),
+        "lm_head": model.get_output_embeddings().weight.detach().cpu()[side["selected_token_ids"]],
+    }
+    for name, value in live.items():
+        report.problems.extend(_compare_weight_rows(path, name, side[name], value))
 
 
 def _nonfinite_parameters(model: torch.nn.Module) -> list[str]:

@@ -42,8 +42,16 @@ from speccache.data import (
     tokenizer_hash,
 )
 from speccache.engines.vllm import ENGINES, VllmEngine, check_vllm_target, vllm_layer_ids, vllm_version
-from speccache.errors import DataError, SpeccacheError
-from speccache.format import LENGTHS_KEY, Manifest, Schema, load_manifest_json, manifest_path, shard_samples
+from speccache.errors import ConfigMismatchError, DataError, SpeccacheError
+from speccache.format import (
+    LENGTHS_KEY,
+    Manifest,
+    Schema,
+    load_manifest_json,
+    manifest_path,
+    shard_samples,
+    tensor_checksum,
+)
 from speccache.format.encoding import parse_encodings
 from speccache.methods.decoder import decoder_layers, final_norm
 from speccache.methods.eagle3 import (
@@ -54,9 +62,12 @@ from speccache.methods.eagle3 import (
     check_aux_layers,
     default_aux_layers,
     eagle3_schema,
+    read_side_file,
     select_draft_vocab,
-    vocab_mapping,
+    side_metadata,
+    ties_embeddings,
 )
+from speccache.methods.eagle3 import side_tensors as eagle3_side_tensors
 from speccache.methods.finite import SKIP_REASON, ClearedCounter, check_nonfinite_mode
 from speccache.methods.layers import CACHE_NAME as LAYERS_CACHE_NAME
 from speccache.methods.layers import PRESETS as LAYER_PRESETS
@@ -71,6 +82,7 @@ from speccache.precompute.target import (
     load_target,
     target_device,
 )
+from speccache.read.source import open_source
 from speccache.units import human_bytes
 from speccache.write import (
     CacheWriter,
@@ -140,6 +152,13 @@ def add_precompute_arguments(p: argparse.ArgumentParser) -> None:
         "--last-prenorm", action="store_true", help="layer methods: also store the last layer's output before the norm"
     )
     p.add_argument("--draft-vocab-size", type=int, default=None, help="draft vocabulary size (default: the target's)")
+    p.add_argument(
+        "--draft-vocab-from",
+        default=None,
+        metavar="TRAIN_CACHE",
+        help="eagle3: take the draft vocabulary from this cache of the same target instead of counting this "
+        "data's tokens (a held-out cache that does not leak into the training cache's vocabulary)",
+    )
     p.add_argument("--supervision", default="hidden", help="hidden (default), probs, or topk:K")
     p.add_argument(
         "--encode", default="", help="per-feature encodings, e.g. aux_hidden_states=fp8,last_hidden_state=zbf16"
@@ -192,6 +211,7 @@ class PrecomputeConfig:
     last_hidden: bool = False
     last_prenorm: bool = False
     draft_vocab_size: int | None = None
+    draft_vocab_from: str | None = None
     supervision: str = "hidden"
     encodings: dict[str, str] = field(default_factory=dict)
     limit: int | None = None
@@ -214,6 +234,7 @@ class PrecomputeConfig:
     tp_size: int | None = None
     engine: str = "hf"
     tensor_parallel_size: int = 1
+    threads: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PrecomputeConfig:
@@ -239,6 +260,7 @@ class PrecomputeConfig:
             last_hidden=getattr(args, "last_hidden", False),
             last_prenorm=getattr(args, "last_prenorm", False),
             draft_vocab_size=args.draft_vocab_size,
+            draft_vocab_from=getattr(args, "draft_vocab_from", None),
             supervision=args.supervision,
             encodings=parse_encodings(args.encode),
             limit=args.limit,
@@ -261,6 +283,7 @@ class PrecomputeConfig:
             tp_size=getattr(args, "tp_size", None),
             engine=getattr(args, "engine", "hf"),
             tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+            threads=getattr(args, "threads", None),
         )
         cfg.check()
         return cfg
@@ -279,10 +302,12 @@ class PrecomputeConfig:
                 "--layers, --last-hidden and --last-prenorm are for the layer methods; "
                 "--method eagle3 takes --aux-layers"
             )
-        if self.method != "eagle3" and (self.aux_layers is not None or self.draft_vocab_size is not None):
+        if self.method != "eagle3" and (
+            self.aux_layers is not None or self.draft_vocab_size is not None or self.draft_vocab_from is not None
+        ):
             raise ValueError(
-                f"--aux-layers and --draft-vocab-size are for --method eagle3; --method {self.method} takes --layers "
-                "(the EAGLE-3 reader of a layers cache picks its aux layers from them)"
+                "--aux-layers and --draft-vocab-size are for --method eagle3, as is --draft-vocab-from; --method "
+                f"{self.method} takes --layers (the EAGLE-3 reader of a layers cache picks its aux layers from them)"
             )
         check_nonfinite_mode(self.nonfinite)
         if self.dtype not in DTYPES:
@@ -337,6 +362,8 @@ class PrecomputeConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if self.tensor_parallel_size != 1 and self.engine != "vllm":
             raise ValueError("--tensor-parallel-size is vLLM's: use it with --engine vllm (or --shard-target tp)")
         if self.out and os.path.exists(self.out) and not os.path.isdir(self.out):
@@ -395,6 +422,7 @@ class Plan:
     schema: Schema
     manifest_config: dict[str, Any]
     selection: LayerSelection | None = None
+    draft_vocab: torch.Tensor | None = None  # --draft-vocab-from's selected_token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -444,7 +472,15 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
         selection = preset_selection(cfg.method, num_layers, cfg.layers, cfg.last_hidden, cfg.last_prenorm)
     tokenizer = load_chat_tokenizer(cfg.model, cfg.chat_template)
     vocab_size = int(text_config.vocab_size)
+    borrowed = None if cfg.draft_vocab_from is None else borrowed_draft_vocab(cfg, model_config, vocab_size)
     draft = cfg.draft_vocab_size if cfg.draft_vocab_size is not None else vocab_size
+    if borrowed is not None:
+        if cfg.draft_vocab_size is not None and cfg.draft_vocab_size != borrowed.numel():
+            raise ValueError(
+                f"--draft-vocab-size {cfg.draft_vocab_size} differs from --draft-vocab-from {cfg.draft_vocab_from}'s "
+                f"{borrowed.numel()} draft tokens; leave --draft-vocab-size out"
+            )
+        draft = borrowed.numel()
     if not 1 <= draft <= vocab_size:
         raise ValueError(f"--draft-vocab-size {draft} must be in [1, {vocab_size}] (the target vocabulary)")
     supervision = Supervision.parse(cfg.supervision)
@@ -454,6 +490,11 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
     if selection is None:
         schema = eagle3_schema(hidden, DTYPES[cfg.dtype], supervision, draft, draft == vocab_size, cfg.encodings)
         method_config: dict[str, Any] = {"aux_layers": aux, "supervision": str(supervision), "draft_vocab_size": draft}
+        if borrowed is not None:  # recorded only when set: a resume compares the source and its vocabulary
+            method_config["draft_vocab_from"] = {
+                "cache": os.path.abspath(cfg.draft_vocab_from),
+                "selected_token_ids_xxh3_128": tensor_checksum(borrowed),
+            }
     else:
         schema = layers_schema(selection, hidden, DTYPES[cfg.dtype], cfg.encodings)
         method_config = selection.manifest_config(model_config)
@@ -508,8 +549,41 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
         "engine": cfg.engine,
     }
     return Plan(
-        cfg, model_config, tokenizer, samples, stats, aux, vocab_size, hidden, draft, schema, manifest_config, selection
+        cfg,
+        model_config,
+        tokenizer,
+        samples,
+        stats,
+        aux,
+        vocab_size,
+        hidden,
+        draft,
+        schema,
+        manifest_config,
+        selection,
+        borrowed,
     )
+
+
+def borrowed_draft_vocab(cfg: PrecomputeConfig, model_config: Any, vocab_size: int) -> torch.Tensor:
+    """``--draft-vocab-from``'s draft vocabulary (its side file's ``selected_token_ids``), from a cache (or view)
+    of this run's target.
+
+    Raises:
+        FileNotFoundError: no cache there.
+        CacheFormatError: not an EAGLE-3 cache.
+        ConfigMismatchError: a cache of another target (model config or vocabulary size).
+    """
+    source = open_source(cfg.draft_vocab_from, CACHE_NAME)
+    theirs = (source.config.get("model_config_hash"), source.config.get("vocab_size"))
+    ours = (_config_hash(model_config), vocab_size)
+    if theirs != ours:
+        raise ConfigMismatchError(
+            f"--draft-vocab-from {cfg.draft_vocab_from} was written from another target than --model {cfg.model} "
+            f"(model_config_hash {theirs[0]} vs {ours[0]}, vocab_size {theirs[1]} vs {ours[1]}); give a cache "
+            "of the same target, or leave the flag out to count this data's tokens"
+        )
+    return read_side_file(source.side_file(SIDE_FILE), ("selected_token_ids",))["selected_token_ids"]
 
 
 def _load_data(cfg: PrecomputeConfig, tokenizer: Any, fmt: Any, comm: Comm) -> tuple[TokenizedSamples, DataStats]:
@@ -648,6 +722,11 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
             f"torchrun (world size {comm.world_size}): run it without torchrun, with --tensor-parallel-size"
         )
     device = target_device(cfg.device)
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    advice = cpu_thread_advice(torch.get_num_threads()) if device.type == "cpu" else None
+    if advice is not None:
+        log.warning("%s", advice)
     plan = make_plan(cfg, comm)
     groups = data_parallel_groups(comm, (cfg.tp_size or comm.world_size) if cfg.shard_target == "tp" else 1)
     extension = plan_append(cfg.out, plan.manifest_config, len(plan.samples), cfg.shard_size) if cfg.append else None
@@ -667,6 +746,8 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
     groups.from_writer(None if writer is None else writer.preflight)
     if extension is not None and plan.selection is None:  # an append keeps the cache's draft vocabulary
         selected = stored_selection(cfg.out, plan.side_file)
+    elif plan.draft_vocab is not None:
+        selected = plan.draft_vocab
     else:
         counts = draft_token_counts(plan, comm)
         selected = select_draft_vocab(counts, plan.draft_vocab_size, _special_ids(plan.tokenizer))
@@ -678,15 +759,13 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
     engine = _vllm_engine(plan) if cfg.engine == "vllm" else None
     capture = None if engine is None else engine.capture(final_norm(model), len(decoder_layers(model)))
     target: Eagle3Target | LayersTarget
+    tied = ties_embeddings(plan.model_config)
 
     def side_tensors() -> dict[str, torch.Tensor]:
+        embed, head = loaded.input_embeddings(), loaded.output_embeddings()
         if plan.selection is not None:
-            return layers_side_tensors(loaded.input_embeddings(), loaded.output_embeddings())
-        return {
-            "embed_tokens": loaded.input_embeddings().contiguous(),
-            "lm_head": loaded.output_embeddings()[selected].contiguous(),
-            **vocab_mapping(selected, plan.vocab_size),
-        }
+            return layers_side_tensors(embed, head)
+        return eagle3_side_tensors(embed, head, selected, plan.vocab_size, tied)
 
     if plan.selection is None:
         supervision = Supervision.parse(cfg.supervision)
@@ -724,7 +803,8 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
 
     itemsize = torch.empty((), dtype=DTYPES[cfg.dtype]).element_size()
     started = time.monotonic()
-    side_file = SideFile(plan.side_file, side_tensors, {"speccache_side": plan.cache_name})
+    metadata = side_metadata(tied) if plan.selection is None else {"speccache_side": plan.cache_name}
+    side_file = SideFile(plan.side_file, side_tensors, metadata)
     skipped = plan.stats.skipped_rows_jsonl(plan.manifest_config["data"])
     if extension is not None:  # the rows of the cache's earlier data files, then this file's
         skipped = extension.skipped_before + skipped
@@ -802,6 +882,25 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
     if comm.rank == 0 and progress:
         print(summary_line(manifest, time.monotonic() - started))
     return manifest
+
+
+def cpu_thread_advice(threads: int) -> str | None:
+    """Why ``threads`` torch threads would run a CPU target slowly, or None: more threads than the CPUs this
+    process may use (its affinity), or a machine whose other processes already keep those CPUs busy."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if threads > cpus:
+        return (
+            f"torch runs {threads} threads but this process may use only {cpus} CPUs (its affinity), so they "
+            f"contend: pass --threads {cpus} (or set OMP_NUM_THREADS={cpus})"
+        )
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if threads > 1 and load >= cpus:
+        return (
+            f"the machine is busy (load {load:.1f} on {cpus} CPUs): torch's {threads} threads contend with the "
+            "other processes, which ran a CPU target 8-37x slower than one thread on a busy 2-core machine; "
+            "pass --threads 1 (or set OMP_NUM_THREADS=1)"
+        )
+    return None
 
 
 def computed_tokens(lengths: Sequence[int], cfg: PrecomputeConfig) -> int:
@@ -922,6 +1021,13 @@ def register_commands(sub: Any) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument(
         "--model-dtype", default="auto", help="dtype to run the target in: auto (checkpoint), bf16, fp16, fp32"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's own, which follows OMP_NUM_THREADS and the CPU affinity); "
+        "warns when the CPUs are oversubscribed",
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a rank waits for the others under torchrun")
     p.add_argument(
