@@ -693,10 +693,12 @@ def _special_ids(tokenizer: Any) -> list[int]:
     return [i for i in ids if isinstance(i, int)]
 
 
-def padded_probs_bytes(num_samples: int, max_length: int, hidden: int, draft_vocab: int, itemsize: int) -> int:
-    """Bytes of the layout other tools write: each sample padded to ``max_length``, full draft-vocab probabilities."""
+def padded_probs_bytes(num_samples: int, length: int, hidden: int, draft_vocab: int, itemsize: int) -> int:
+    """Bytes of the layout other tools write: each sample padded to ``length`` tokens, full draft-vocab
+    probabilities (``stats.padded_probs_bytes`` pads to ``--max-length``, ``padded_probs_longest_bytes`` to the
+    longest sample)."""
     per_token = (3 * hidden + draft_vocab) * itemsize + 8 + 1
-    return num_samples * max_length * per_token
+    return num_samples * length * per_token
 
 
 def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bool = True) -> Manifest:
@@ -857,9 +859,14 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
             "padded_probs_bytes": padded_probs_bytes(
                 len(plan.samples), cfg.max_length, plan.hidden_size, plan.draft_vocab_size, itemsize
             ),
+            "longest_sample": int(plan.samples.lengths.max()),
         }
         if extension is not None:
             run.stats = merge_stats(extension.stats_before, run.stats)
+        if "longest_sample" in run.stats:  # of the whole cache, an append's too
+            run.stats["padded_probs_longest_bytes"] = padded_probs_bytes(
+                run.stats["samples"], run.stats["longest_sample"], plan.hidden_size, plan.draft_vocab_size, itemsize
+            )
         # counted over every shard of the cache (an append's too): a total, not a sum
         nonfinite = int(writer.comm.sum_tensor(torch.tensor([cleared.total], dtype=torch.int64))[0])
         if nonfinite or cfg.nonfinite == "skip":
@@ -943,21 +950,28 @@ def _discard(output_dir: str, index: int, samples: dict[str, torch.Tensor]) -> s
 
 
 def summary_line(manifest: Manifest, seconds: float) -> str:
-    """The closing line of a run: samples, tokens, bytes per token, the padded full-probability size for comparison,
-    and the measured error of lossy keys."""
+    """The closing line of a run: samples, tokens, the size in all and per token (shards alone and with the side
+    files), the padded full-probability size for comparison, and the measured error of lossy keys."""
     stats = manifest.stats
     shard_bytes = manifest.total_bytes or 0
-    total = shard_bytes + sum(r.bytes for r in manifest.side_files.values())
-    tokens = manifest.num_tokens or 0
-    padded = int(stats.get("padded_probs_bytes", 0))
+    side_bytes = sum(r.bytes for r in manifest.side_files.values())
+    total = shard_bytes + side_bytes
+    tokens = manifest.num_tokens or 1
+    if "padded_probs_longest_bytes" in stats:
+        padded = int(stats["padded_probs_longest_bytes"])
+        padding = f"padded to the longest sample, {stats['longest_sample']} tokens"
+    else:  # a manifest written before the longest sample was recorded (an append to such a cache)
+        padded = int(stats.get("padded_probs_bytes", 0))
+        padding = f"padded to --max-length, {manifest.config.get('max_length')} tokens"
     ratio = f"{padded / total:.1f}x smaller" if total else "-"
     skipped = sum((stats.get("skipped_rows") or {}).values())
     computed = stats.get("computed_tokens")
-    work = f" ({computed / (tokens or 1):.2f}x computed with padding)" if computed else ""
+    work = f" ({computed / tokens:.2f}x computed with padding)" if computed else ""
     return (
-        f"speccache: {manifest.num_samples} samples ({skipped} rows skipped), {tokens} tokens{work}, "
-        f"{human_bytes(total)} ({shard_bytes / (tokens or 1):.0f} bytes/token) in {seconds:.1f}s; "
-        f"padded full-probability layout would take {human_bytes(padded)} ({ratio})"
+        f"speccache: {manifest.num_samples} samples ({skipped} rows skipped), {manifest.num_tokens or 0} "
+        f"tokens{work}, {human_bytes(total)} in all ({total / tokens:.0f} bytes/token: shards "
+        f"{human_bytes(shard_bytes)}, {shard_bytes / tokens:.0f} bytes/token, + side files {human_bytes(side_bytes)}) "
+        f"in {seconds:.1f}s; padded full-probability layout ({padding}) would take {human_bytes(padded)} ({ratio})"
         + "".join(
             f"; {key} error: relative RMS {e['rms']:.4f}, max {e['max']:.4f} of row amax"
             for key, e in sorted((stats.get("encoding_error") or {}).items())
