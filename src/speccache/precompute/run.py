@@ -963,7 +963,10 @@ def summary_line(manifest: Manifest, seconds: float) -> str:
     else:  # a manifest written before the longest sample was recorded (an append to such a cache)
         padded = int(stats.get("padded_probs_bytes", 0))
         padding = f"padded to --max-length, {manifest.config.get('max_length')} tokens"
-    ratio = f"{padded / total:.1f}x smaller" if total else "-"
+    if not total or not padded:
+        ratio = "-"
+    else:  # a few samples of a target with a large side file can take more than the padded shards
+        ratio = f"{padded / total:.1f}x smaller" if padded >= total else f"{total / padded:.1f}x larger"
     skipped = sum((stats.get("skipped_rows") or {}).values())
     computed = stats.get("computed_tokens")
     work = f" ({computed / tokens:.2f}x computed with padding)" if computed else ""
