@@ -394,6 +394,7 @@ TRIGGERS: dict[str, T] = {
     "--tensor-parallel-size is vLLM's": lambda e: _engine_flags(tensor_parallel_size=2),
     "--tensor-parallel-size must be >= 1": lambda e: _engine_flags(engine="vllm", tensor_parallel_size=0),
     "--threads must be >= 1": lambda e: _engine_flags(threads=0),
+    "--threads is the hf engine's": lambda e: _engine_flags(engine="vllm", threads=1),
     # --shard-target / --tp-size
     "--shard-target": lambda e: check_shard_target("zero"),
     "runs under torchrun (it shards the target over the ranks)": lambda e: check_shard_target("tp", None, 1),

@@ -110,3 +110,11 @@ def test_threads_must_be_positive(tiny_models, tmp_path, capsys):
     assert main([*args, *COMMON, "--threads", "0"]) == 2
     assert "--threads must be >= 1, got 0" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "c")
+
+
+def test_threads_is_refused_for_the_vllm_engine(tiny_models, tmp_path, capsys):
+    # vLLM's workers run the target, so this process's torch threads would change nothing
+    args = ["precompute", "--model", tiny_models("llama"), "--data", DATA, "--out", str(tmp_path / "c")]
+    assert main([*args, "--engine", "vllm", "--threads", "1"]) == 2
+    assert "--threads is the hf engine's" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "c")
