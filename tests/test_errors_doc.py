@@ -39,6 +39,7 @@ from speccache.format.encoding import get_encoding
 from speccache.format.lock import LOCK_NAME
 from speccache.format.shard import verify_tensor_checksums
 from speccache.format.view import View, source_record
+from speccache.methods.eagle3 import read_side_file
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
 from speccache.methods.layers import LayerSelection, preset_selection
 from speccache.offline_cache import (
@@ -366,6 +367,13 @@ def _train(**kwargs: Any) -> Callable[[Env], Any]:
     return run
 
 
+def _side_without_head(env: Env) -> str:
+    """An EAGLE-3 side file without LM-head rows, as an import from NeMo's layout writes it."""
+    path = str(env.tmp / "eagle3_side.safetensors")
+    write_safetensors(path, {"embed_tokens": torch.zeros(4, 2), "selected_token_ids": torch.arange(4)})
+    return path
+
+
 def _engine_flags(**flags: Any) -> None:
     from speccache.demo import demo_data_path
     from speccache.precompute.run import PrecomputeConfig
@@ -385,6 +393,8 @@ TRIGGERS: dict[str, T] = {
     "--engine vllm parallelises the target": lambda e: _engine_flags(engine="vllm", shard_target="fsdp"),
     "--tensor-parallel-size is vLLM's": lambda e: _engine_flags(tensor_parallel_size=2),
     "--tensor-parallel-size must be >= 1": lambda e: _engine_flags(engine="vllm", tensor_parallel_size=0),
+    "--threads must be >= 1": lambda e: _engine_flags(threads=0),
+    "--threads is the hf engine's": lambda e: _engine_flags(engine="vllm", threads=1),
     # --shard-target / --tp-size
     "--shard-target": lambda e: check_shard_target("zero"),
     "runs under torchrun (it shards the target over the ranks)": lambda e: check_shard_target("tp", None, 1),
@@ -439,6 +449,7 @@ TRIGGERS: dict[str, T] = {
     # reading
     "cache manifest not found at": lambda e: CacheDataset(str(e.tmp)),
     "the cache records no side file": lambda e: open_source(e.cache()).side_file("eagle3_side.safetensors"),
+    "the side file lacks": lambda e: read_side_file(_side_without_head(e), ("lm_head",)),
     "cannot be read (": _manifest_a_directory,
     "'cache_name' must be a string": lambda e: CacheDataset(e.edit_manifest(e.cache(), lambda m: m.update(cache_name=3))),
     "the manifest's shard table records": lambda e: CacheDataset(

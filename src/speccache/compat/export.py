@@ -185,7 +185,7 @@ def _plan(cache_dir: str, to: str, layer_ids: Sequence[int] | None) -> _Plan:
                 f"--supervision {config['supervision']}. Export a cache written with --supervision hidden"
             )
         ds = eagle3.Eagle3CacheDataset(cache_dir)
-        side_tensors = _side(source, eagle3.SIDE_FILE)
+        side_tensors = eagle3.read_side_file(source.side_file(eagle3.SIDE_FILE))
         rows, selected, aux = side_tensors["lm_head"], side_tensors["selected_token_ids"], config["aux_layers"]
     elif source.cache_name == layers.CACHE_NAME:
         ds = layers.eagle3_dataset(cache_dir, layer_ids)

@@ -33,7 +33,7 @@ from safetensors import SafetensorError
 
 from speccache.compat.export import DTYPES, check_export_dir
 from speccache.errors import CacheFormatError
-from speccache.format import Manifest, ShardFile, atomic_write, write_safetensors
+from speccache.format import Manifest, atomic_write, write_safetensors
 from speccache.format.durable import ensure_writable_dir, writes_to
 from speccache.methods import eagle3, layers
 from speccache.read import CacheDataset
@@ -107,9 +107,8 @@ def _specforge(cache_dir: str, source: CacheSource, layer_ids: Sequence[int] | N
         ds: CacheDataset = eagle3.Eagle3CacheDataset(
             cache_dir, keys=["input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"]
         )
-        side = ShardFile(source.side_file(eagle3.SIDE_FILE))
         if int(source.config["draft_vocab_size"]) < int(source.config["vocab_size"]):
-            vocab = {"d2t": side.tensor("d2t").clone(), "t2d": side.tensor("t2d").clone()}
+            vocab = eagle3.read_side_file(source.side_file(eagle3.SIDE_FILE), ("d2t", "t2d"))
     elif source.cache_name == layers.CACHE_NAME:
         ds = layers.eagle3_dataset(cache_dir, layer_ids)
     else:

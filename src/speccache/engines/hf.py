@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -51,6 +52,7 @@ from speccache.write.dist import (
 __all__ = [
     "SHARD_MODES",
     "HfEngine",
+    "cpu_thread_advice",
     "load_target",
     "load_outer_modules",
     "check_shard_target",
@@ -58,6 +60,8 @@ __all__ = [
 ]
 
 SHARD_MODES = ("replicate", "fsdp", "tp")
+log = logging.getLogger("speccache.engines.hf")
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -120,10 +124,12 @@ class HfEngine:
 
     @classmethod
     def check_flags(cls, cfg: Any) -> None:
-        """Check ``--shard-target`` and ``--tp-size``; refuse vLLM's ``--tensor-parallel-size``."""
+        """Check ``--shard-target``, ``--tp-size`` and ``--threads``; refuse vLLM's ``--tensor-parallel-size``."""
         check_shard_target(cfg.shard_target, cfg.tp_size)
         if cfg.tensor_parallel_size != 1:
             raise ValueError("--tensor-parallel-size is vLLM's: use it with --engine vllm (or --shard-target tp)")
+        if cfg.threads is not None and cfg.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {cfg.threads}")
 
     @classmethod
     def check_model(cls, cfg: Any, model_config: Any, world_size: int) -> None:
@@ -138,9 +144,16 @@ class HfEngine:
         self.model: nn.Module | None = None
 
     def open(self, request: CaptureRequest, groups: DataParallelGroups, max_tokens: int) -> LoadedTarget:
-        """Load the whole target (every layer may be captured: ``request`` and ``max_tokens`` change nothing)."""
+        """Load the whole target (every layer may be captured: ``request`` and ``max_tokens`` change nothing);
+        ``--threads`` sets torch's threads, and a CPU target warns of threads that would contend."""
         cfg = self.cfg
-        loaded = load_target(cfg.model, cfg.model_dtype, target_device(cfg.device), cfg.shard_target, groups)
+        device = target_device(cfg.device)
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)
+        advice = cpu_thread_advice(torch.get_num_threads()) if device.type == "cpu" else None
+        if advice is not None:
+            log.warning("%s", advice)
+        loaded = load_target(cfg.model, cfg.model_dtype, device, cfg.shard_target, groups)
         self.model = loaded.model
         return loaded
 
@@ -164,6 +177,25 @@ class HfEngine:
             return {}
         parallel = {"shard_target": self.cfg.shard_target, "world_size": self.comm.world_size}
         return {"parallel": {**parallel, **({"tp_size": self.group_size} if self.cfg.shard_target == "tp" else {})}}
+
+
+def cpu_thread_advice(threads: int) -> str | None:
+    """Why ``threads`` torch threads would run a CPU target slowly, or None: more threads than the CPUs this
+    process may use (its affinity), or a machine whose other processes already keep those CPUs busy."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if threads > cpus:
+        return (
+            f"torch runs {threads} threads but this process may use only {cpus} CPUs (its affinity), so they "
+            f"contend: pass --threads {cpus} (or set OMP_NUM_THREADS={cpus})"
+        )
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if threads > 1 and load >= cpus:
+        return (
+            f"the machine is busy (load {load:.1f} on {cpus} CPUs): torch's {threads} threads contend with the "
+            "other processes, which ran a CPU target 8-37x slower than one thread on a busy 2-core machine; "
+            "pass --threads 1 (or set OMP_NUM_THREADS=1)"
+        )
+    return None
 
 
 def load_target(

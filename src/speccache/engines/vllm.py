@@ -253,8 +253,8 @@ class VllmPrecomputeEngine:
 
     @classmethod
     def check_flags(cls, cfg: Any) -> None:
-        """Refuse the hf engine's ``--shard-target`` (vLLM parallelises the target itself); check
-        ``--tensor-parallel-size``."""
+        """Refuse the hf engine's ``--shard-target`` (vLLM parallelises the target itself) and ``--threads``;
+        check ``--tensor-parallel-size``."""
         check_shard_target(cfg.shard_target, cfg.tp_size)
         if cfg.shard_target != "replicate":
             raise ValueError(
@@ -263,6 +263,8 @@ class VllmPrecomputeEngine:
             )
         if cfg.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {cfg.tensor_parallel_size}")
+        if cfg.threads is not None:  # vLLM's workers run the target, not this process's torch threads
+            raise ValueError("--threads is the hf engine's: vLLM chooses its workers' threads; drop --threads")
 
     @classmethod
     def check_model(cls, cfg: Any, model_config: Any, world_size: int) -> None:

@@ -7,11 +7,13 @@ in :mod:`.registry` and calls it: a new method is one module of this room and on
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+import xxhash
 from torch import nn
 
 from speccache.data import TokenizedSamples
@@ -19,7 +21,25 @@ from speccache.format import Schema
 from speccache.methods.decoder import Capture
 from speccache.write import Comm
 
-__all__ = ["CaptureRequest", "LoadedTarget", "Method", "MethodPlan", "MethodTarget", "PrePass", "text_config"]
+__all__ = [
+    "CaptureRequest",
+    "LoadedTarget",
+    "Method",
+    "MethodPlan",
+    "MethodTarget",
+    "PrePass",
+    "model_config_hash",
+    "text_config",
+]
+
+
+def model_config_hash(model_config: Any) -> str:
+    """The manifest's ``model_config_hash``: the model config without the entries that name where and by which
+    transformers it was saved, so a copy of a target hashes the same."""
+    body = model_config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "_commit_hash"):
+        body.pop(volatile, None)
+    return xxhash.xxh3_128_hexdigest(json.dumps(body, sort_keys=True, default=str).encode())
 
 
 def text_config(model_config: Any) -> Any:
@@ -69,6 +89,8 @@ class MethodPlan:
         draft_vocab_size: the vocabulary a draft predicts over (the summary's padded full-probability layout).
         settings: the method's own decisions, for its :meth:`Method.prepare`, :meth:`Method.target` and
             :meth:`Method.side_tensors`.
+        side_metadata: its side file's safetensors metadata besides ``speccache_side`` (what its readers need
+            to know of the layout, e.g. that a tied target's embedding is stored once).
     """
 
     schema: Schema
@@ -76,6 +98,7 @@ class MethodPlan:
     request: CaptureRequest
     draft_vocab_size: int
     settings: Any
+    side_metadata: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,10 @@ The side file ``eagle3_side.safetensors`` holds ``embed_tokens`` ``[V, H]`` (the
 draft initialises its embedding from it), ``lm_head`` ``[Vd, H]`` (the draft rows),
 ``selected_token_ids`` (int64 ``[Vd]``, ascending), ``d2t`` (int64 ``[Vd]``,
 ``target_id = draft_id + d2t[draft_id]`` as vLLM uses it) and ``t2d`` (bool ``[V]``,
-as SGLang uses it).
+as SGLang uses it). For a target whose LM head is its input embedding (``tie_word_embeddings``: SmolLM2,
+Llama-3.2-1B, Gemma, small Qwen) the file stores the matrix once: its metadata records
+``tie_word_embeddings``, it has no ``lm_head`` tensor, and :func:`read_side_file` gives readers
+``embed_tokens[selected_token_ids]`` in its place.
 """
 
 from __future__ import annotations
@@ -50,9 +53,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
 from speccache.data import SOURCE_ROW_KEY, TokenizedSamples, source_row_spec
-from speccache.errors import CacheFormatError
-from speccache.format import LENGTHS_KEY, STAT_PREFIX, KeySpec, Schema, ShardFile
-from speccache.methods.base import CaptureRequest, LoadedTarget, MethodPlan, PrePass, text_config
+from speccache.errors import CacheFormatError, ConfigMismatchError
+from speccache.format import LENGTHS_KEY, STAT_PREFIX, KeySpec, Schema, ShardFile, tensor_checksum
+from speccache.methods.base import CaptureRequest, LoadedTarget, MethodPlan, PrePass, model_config_hash, text_config
 from speccache.methods.decoder import Capture, decoder_layers, forward_capturing
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
 from speccache.read import CacheDataset, PadCollator, Sample
@@ -72,6 +75,10 @@ __all__ = [
     "eagle3_schema",
     "select_draft_vocab",
     "vocab_mapping",
+    "ties_embeddings",
+    "side_metadata",
+    "side_tensors",
+    "read_side_file",
     "Eagle3Target",
     "EAGLE3",
     "draft_token_counts",
@@ -236,6 +243,60 @@ def vocab_mapping(selected: torch.Tensor, vocab_size: int) -> dict[str, torch.Te
 
 
 # ---------------------------------------------------------------------------
+# the side file
+
+# The side-file metadata entry of a tied target (absent before tied targets were stored once).
+TIED_KEY = "tie_word_embeddings"
+
+
+def ties_embeddings(model_config: Any) -> bool:
+    """Whether the target's config ties its LM head to its input embedding (transformers' ``tie_word_embeddings``)."""
+    return bool(getattr(model_config, TIED_KEY, False))
+
+
+def side_metadata(tied: bool) -> dict[str, str]:
+    """The side file's safetensors metadata; ``tied``: the target's config ties its head to its embedding."""
+    return {"speccache_side": CACHE_NAME, **({TIED_KEY: "true"} if tied else {})}
+
+
+def side_tensors(
+    embed_tokens: torch.Tensor, lm_head: torch.Tensor, selected: torch.Tensor, vocab_size: int, tied: bool
+) -> dict[str, torch.Tensor]:
+    """The side file's tensors from the target's input embedding and whole LM head ``[V, H]`` and the draft
+    vocabulary. A tied target's head is left out (stored once, as ``embed_tokens``) when it is the embedding,
+    as transformers ties them: its config says so and the checkpoint's head, if it has one, is equal."""
+    same = tied and torch.equal(lm_head, embed_tokens)
+    head = {} if same else {"lm_head": lm_head[selected].contiguous()}
+    return {"embed_tokens": embed_tokens.contiguous(), **head, **vocab_mapping(selected, vocab_size)}
+
+
+def read_side_file(path: str, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` (default: all) of an EAGLE-3 side file, as copies; a tied target's file that
+    stores the matrix once gives ``lm_head`` as the draft rows of ``embed_tokens``, the tensor an untied
+    file stores, so every reader sees the same tensors.
+
+    Raises:
+        CacheFormatError: a named tensor the file does not hold.
+    """
+    side = ShardFile(path)
+    try:
+        tied = side.metadata.get(TIED_KEY) == "true" and "lm_head" not in side.keys()
+        stored = list(side.keys()) + (["lm_head"] if tied else [])
+        missing = sorted(set(names or ()) - set(stored))
+        if missing:
+            raise CacheFormatError(
+                f"{path}: the side file lacks {missing} (it holds {sorted(stored)}), which this reader needs; "
+                "use a cache written by speccache precompute"
+            )
+        out = {name: side.tensor(name).clone() for name in side.keys() if names is None or name in names}
+        if tied and (names is None or "lm_head" in names):
+            out["lm_head"] = side.tensor("embed_tokens")[side.tensor("selected_token_ids")]
+        return out
+    finally:
+        side.close()
+
+
+# ---------------------------------------------------------------------------
 # the target side
 
 
@@ -373,6 +434,27 @@ def stored_selection(cache_dir: str) -> torch.Tensor:
         side.close()
 
 
+def borrowed_draft_vocab(cfg: Any, model_config: Any, vocab_size: int) -> torch.Tensor:
+    """``--draft-vocab-from``'s draft vocabulary (its side file's ``selected_token_ids``), from a cache (or view)
+    of this run's target.
+
+    Raises:
+        FileNotFoundError: no cache there.
+        CacheFormatError: not an EAGLE-3 cache.
+        ConfigMismatchError: a cache of another target (model config or vocabulary size).
+    """
+    source = open_source(cfg.draft_vocab_from, CACHE_NAME)
+    theirs = (source.config.get("model_config_hash"), source.config.get("vocab_size"))
+    ours = (model_config_hash(model_config), vocab_size)
+    if theirs != ours:
+        raise ConfigMismatchError(
+            f"--draft-vocab-from {cfg.draft_vocab_from} was written from another target than --model {cfg.model} "
+            f"(model_config_hash {theirs[0]} vs {ours[0]}, vocab_size {theirs[1]} vs {ours[1]}); give a cache "
+            "of the same target, or leave the flag out to count this data's tokens"
+        )
+    return read_side_file(source.side_file(SIDE_FILE), ("selected_token_ids",))["selected_token_ids"]
+
+
 def _special_ids(tokenizer: Any) -> list[int]:
     ids = [getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")]
     return [i for i in ids if isinstance(i, int)]
@@ -386,6 +468,8 @@ class Eagle3Settings:
     supervision: Supervision
     vocab_size: int
     draft_vocab_size: int
+    borrowed: torch.Tensor | None  # --draft-vocab-from's selected_token_ids
+    tied: bool  # the target's config ties its LM head to its embedding
 
 
 class Eagle3Method:
@@ -418,25 +502,44 @@ class Eagle3Method:
         aux = check_aux_layers(
             cfg.aux_layers if cfg.aux_layers is not None else default_aux_layers(num_layers), num_layers
         )
+        borrowed = None if cfg.draft_vocab_from is None else borrowed_draft_vocab(cfg, model_config, vocab)
         draft = cfg.draft_vocab_size if cfg.draft_vocab_size is not None else vocab
+        if borrowed is not None:
+            if cfg.draft_vocab_size is not None and cfg.draft_vocab_size != borrowed.numel():
+                raise ValueError(
+                    f"--draft-vocab-size {cfg.draft_vocab_size} differs from --draft-vocab-from "
+                    f"{cfg.draft_vocab_from}'s {borrowed.numel()} draft tokens; leave --draft-vocab-size out"
+                )
+            draft = borrowed.numel()
         if not 1 <= draft <= vocab:
             raise ValueError(f"--draft-vocab-size {draft} must be in [1, {vocab}] (the target vocabulary)")
         supervision = Supervision.parse(cfg.supervision)
         if supervision.mode == "topk" and supervision.k > draft:
             raise ValueError(f"--supervision topk:{supervision.k} asks for more than the {draft} draft tokens")
+        config: dict[str, Any] = {"aux_layers": aux, "supervision": str(supervision), "draft_vocab_size": draft}
+        if borrowed is not None:  # recorded only when set: a resume compares the source and its vocabulary
+            config["draft_vocab_from"] = {
+                "cache": os.path.abspath(cfg.draft_vocab_from),
+                "selected_token_ids_xxh3_128": tensor_checksum(borrowed),
+            }
+        tied = ties_embeddings(model_config)
         return MethodPlan(
             schema=eagle3_schema(hidden, dtype, supervision, draft, draft == vocab, cfg.encodings),
-            config={"aux_layers": aux, "supervision": str(supervision), "draft_vocab_size": draft},
+            config=config,
             request=CaptureRequest(layers=tuple(aux)),
             draft_vocab_size=draft,
-            settings=Eagle3Settings(aux, supervision, vocab, draft),
+            settings=Eagle3Settings(aux, supervision, vocab, draft, borrowed, tied),
+            side_metadata=side_metadata(tied),
         )
 
     def prepare(self, plan: MethodPlan, data: PrePass) -> torch.Tensor:
-        """The draft vocabulary: chosen from the loss-masked token counts, or an append's cache's own."""
+        """The draft vocabulary: an append's cache's own, ``--draft-vocab-from``'s, or chosen from the
+        loss-masked token counts."""
+        s: Eagle3Settings = plan.settings
         if data.appending_to is not None:
             return stored_selection(data.appending_to)
-        s: Eagle3Settings = plan.settings
+        if s.borrowed is not None:
+            return s.borrowed
         counts = draft_token_counts(data.samples, data.shard_size, s.vocab_size, data.comm)
         return select_draft_vocab(counts, s.draft_vocab_size, _special_ids(data.tokenizer))
 
@@ -454,12 +557,10 @@ class Eagle3Method:
         return Eagle3Target(loaded.model, s.aux_layers, s.supervision, prepared, dtype, nonfinite, capture)
 
     def side_tensors(self, plan: MethodPlan, loaded: LoadedTarget, prepared: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``embed_tokens``, the draft rows of ``lm_head`` and the vocabulary mapping."""
-        return {
-            "embed_tokens": loaded.input_embeddings().contiguous(),
-            "lm_head": loaded.output_embeddings()[prepared].contiguous(),
-            **vocab_mapping(prepared, plan.settings.vocab_size),
-        }
+        """``embed_tokens``, the draft rows of ``lm_head`` (left out for a tied target) and the vocabulary
+        mapping (:func:`side_tensors`)."""
+        s: Eagle3Settings = plan.settings
+        return side_tensors(loaded.input_embeddings(), loaded.output_embeddings(), prepared, s.vocab_size, s.tied)
 
 
 EAGLE3 = Eagle3Method()
@@ -625,8 +726,9 @@ class TargetHead(nn.Module):
         Raises:
             CacheFormatError: not an EAGLE-3 cache or view, or a view whose sources' side files differ.
         """
-        side = ShardFile(open_source(cache_dir, CACHE_NAME).side_file(SIDE_FILE))
-        head = cls(side.tensor("lm_head").clone(), side.tensor("selected_token_ids").clone())
+        path = open_source(cache_dir, CACHE_NAME).side_file(SIDE_FILE)
+        side = read_side_file(path, ("lm_head", "selected_token_ids"))
+        head = cls(side["lm_head"], side["selected_token_ids"])
         return head.to(device) if device is not None else head
 
     def forward(

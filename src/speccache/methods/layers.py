@@ -332,16 +332,17 @@ class LayersMethod:
     presets = PRESETS
 
     def check_flags(self, cfg: Any) -> None:
-        """EAGLE-3's ``--supervision`` (other than hidden), ``--aux-layers`` and ``--draft-vocab-size`` are refused."""
+        """EAGLE-3's ``--supervision`` (other than hidden), ``--aux-layers``, ``--draft-vocab-size`` and
+        ``--draft-vocab-from`` are refused."""
         if Supervision.parse(cfg.supervision).mode != "hidden":
             raise ValueError(
                 f"--supervision {cfg.supervision} is for --method eagle3; --method {cfg.method} stores "
                 "last_hidden_state, from which the LM head in its side file gives the logits"
             )
-        if cfg.aux_layers is not None or cfg.draft_vocab_size is not None:
+        if cfg.aux_layers is not None or cfg.draft_vocab_size is not None or cfg.draft_vocab_from is not None:
             raise ValueError(
-                f"--aux-layers and --draft-vocab-size are for --method eagle3; --method {cfg.method} takes --layers "
-                "(the EAGLE-3 reader of a layers cache picks its aux layers from them)"
+                "--aux-layers and --draft-vocab-size are for --method eagle3, as is --draft-vocab-from; --method "
+                f"{cfg.method} takes --layers (the EAGLE-3 reader of a layers cache picks its aux layers from them)"
             )
 
     def plan(self, cfg: Any, model_config: Any, dtype: torch.dtype) -> MethodPlan:

@@ -172,10 +172,22 @@ class AppendedDataset(Dataset):
         return item
 
 
+# Statistics that are maxima, not counts; a cache written before one was recorded has an unknown maximum.
+MAX_STATS = ("longest_sample",)
+
+
 def merge_stats(before: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    """The statistics of the cache after an append: counts summed (per reason for dicts), the rest the new run's."""
+    """The statistics of the cache after an append: counts summed (per reason for dicts), maxima the larger
+    (left out when the cache lacks them), the rest the new run's."""
     out: dict[str, Any] = dict(new)
+    for key in MAX_STATS:
+        if key in before and key in out:
+            out[key] = max(out[key], before[key])
+        else:
+            out.pop(key, None)
     for key, value in before.items():
+        if key in MAX_STATS:
+            continue
         if isinstance(value, int) and isinstance(new.get(key), int):
             out[key] = value + new[key]
         elif isinstance(value, dict) and isinstance(new.get(key), dict) and key != "encoding_error":

@@ -56,11 +56,12 @@ from speccache.data import SOURCE_ROW_KEY, load_chat_tokenizer, tokenizer_hash
 from speccache.engines.base import target_device
 from speccache.engines.hf import load_target
 from speccache.errors import AuditError, SpeccacheError
-from speccache.format import LENGTHS_KEY, Manifest, ShardFile
+from speccache.format import LENGTHS_KEY, Manifest
+from speccache.methods.base import model_config_hash
 from speccache.methods.eagle3 import CACHE_NAME as EAGLE3
 from speccache.methods.eagle3 import SIDE_FILE as EAGLE3_SIDE
-from speccache.methods.eagle3 import Eagle3Target, Supervision
-from speccache.precompute.run import DTYPES, _config_hash, batch_pad_id, pad_tokens
+from speccache.methods.eagle3 import Eagle3Target, Supervision, read_side_file
+from speccache.precompute.run import DTYPES, batch_pad_id, pad_tokens
 from speccache.read import CacheDataset
 from speccache.read.source import CacheSource, open_source
 from speccache.read.view import ViewDataset
@@ -137,11 +138,7 @@ def _relative_error(stored: torch.Tensor, live: torch.Tensor) -> float:
 
 
 def _eagle3_target(source: CacheSource, config: Mapping[str, Any], model: torch.nn.Module) -> Callable[..., Any]:
-    side = ShardFile(source.side_file(EAGLE3_SIDE))
-    try:
-        selected = side.tensor("selected_token_ids").clone()
-    finally:
-        side.close()
+    selected = read_side_file(source.side_file(EAGLE3_SIDE), ("selected_token_ids",))["selected_token_ids"]
     # skip: a sample whose live features are not finite comes back cleared (no supervised token), which the audit
     # reports, instead of an error that would stop it, and that precompute's advice (--nonfinite skip) would not fix
     target = Eagle3Target(
@@ -160,7 +157,7 @@ def _check_fingerprints(model_dir: str, config: Mapping[str, Any], tokenizer: An
     from transformers import AutoConfig
 
     for name, found in (
-        ("model_config_hash", lambda: _config_hash(AutoConfig.from_pretrained(model_dir))),
+        ("model_config_hash", lambda: model_config_hash(AutoConfig.from_pretrained(model_dir))),
         ("tokenizer_hash", lambda: tokenizer_hash(tokenizer)),
     ):
         if name in config and found() != config[name]:
@@ -203,17 +200,13 @@ def _compare_weight_rows(path: str, name: str, stored: torch.Tensor, live: torch
 
 def _check_side_weights(source: CacheSource, model: torch.nn.Module, report: AuditReport) -> None:
     path = source.side_file(EAGLE3_SIDE)
-    side = ShardFile(path)
-    try:
-        rows = side.tensor("selected_token_ids").to(torch.int64)
-        live = {
-            "embed_tokens": model.get_input_embeddings().weight.detach().cpu(),
-            "lm_head": model.get_output_embeddings().weight.detach().cpu()[rows],
-        }
-        for name, value in live.items():
-            report.problems.extend(_compare_weight_rows(path, name, side.tensor(name), value))
-    finally:
-        side.close()
+    side = read_side_file(path, ("embed_tokens", "lm_head", "selected_token_ids"))
+    live = {
+        "embed_tokens": model.get_input_embeddings().weight.detach().cpu(),
+        "lm_head": model.get_output_embeddings().weight.detach().cpu()[side["selected_token_ids"]],
+    }
+    for name, value in live.items():
+        report.problems.extend(_compare_weight_rows(path, name, side[name], value))
 
 
 def _nonfinite_parameters(model: torch.nn.Module) -> list[str]:

@@ -42,7 +42,7 @@ import torch
 
 from speccache.format import OFFSETS_KEY, KeySpec, Schema, get_encoding, part_name, safetensors_prefix
 from speccache.format.shard import shard_metadata
-from speccache.methods.eagle3 import CACHE_NAME, Supervision, sample_stat_names
+from speccache.methods.eagle3 import CACHE_NAME, Supervision, sample_stat_names, side_metadata, ties_embeddings
 from speccache.units import human_bytes
 
 __all__ = [
@@ -136,21 +136,28 @@ def estimate_shards(
 
 
 def side_file_bytes(
-    vocab_size: int, draft_vocab_size: int, hidden_size: int, weight_dtype: torch.dtype, cache_name: str = CACHE_NAME
+    vocab_size: int,
+    draft_vocab_size: int,
+    hidden_size: int,
+    weight_dtype: torch.dtype,
+    cache_name: str = CACHE_NAME,
+    tied: bool = False,
 ) -> int:
-    """Bytes of a method's side file: EAGLE-3's (``embed_tokens``, draft ``lm_head`` rows, vocabulary maps) or,
-    for ``cache_name="layers"``, the layer methods' (``embed_tokens`` and the whole ``lm_head``)."""
-    layout: Layout = {
-        "embed_tokens": (weight_dtype, (vocab_size, hidden_size)),
-        "lm_head": (weight_dtype, (draft_vocab_size, hidden_size)),
-    }
+    """Bytes of a method's side file: EAGLE-3's (``embed_tokens``, draft ``lm_head`` rows unless ``tied``,
+    vocabulary maps) or, for ``cache_name="layers"``, the layer methods' (``embed_tokens`` and the whole
+    ``lm_head``)."""
+    layout: Layout = {"embed_tokens": (weight_dtype, (vocab_size, hidden_size))}
+    metadata = {"speccache_side": cache_name}
+    if cache_name != CACHE_NAME or not tied:
+        layout["lm_head"] = (weight_dtype, (draft_vocab_size, hidden_size))
     if cache_name == CACHE_NAME:
         layout |= {
             "selected_token_ids": (torch.int64, (draft_vocab_size,)),
             "d2t": (torch.int64, (draft_vocab_size,)),
             "t2d": (torch.bool, (vocab_size,)),
         }
-    prefix, _ = safetensors_prefix(layout, {"speccache_side": cache_name})
+        metadata = side_metadata(tied)
+    prefix, _ = safetensors_prefix(layout, metadata)
     return len(prefix) + sum(_nbytes(*v) for v in layout.values())
 
 
@@ -212,6 +219,7 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
         plan.hidden_size,
         _weight_dtype(plan.model_config, cfg.model_dtype),
         plan.cache_name,
+        ties_embeddings(plan.model_config),
     )
     tokens = sum(lengths)
     itemsize = torch.empty((), dtype=DTYPES[cfg.dtype]).element_size()

@@ -46,7 +46,7 @@ from speccache.engines.registry import engine_class
 from speccache.errors import DataError, SpeccacheError
 from speccache.format import LENGTHS_KEY, Manifest, Schema, load_manifest_json, manifest_path, shard_samples
 from speccache.format.encoding import parse_encodings
-from speccache.methods.base import Method, MethodPlan, PrePass, text_config
+from speccache.methods.base import Method, MethodPlan, PrePass, model_config_hash, text_config
 from speccache.methods.finite import SKIP_REASON, ClearedCounter, check_nonfinite_mode
 from speccache.methods.registry import METHODS, method_for
 from speccache.precompute.append import DATA_FIELDS, AppendedDataset, merge_stats, plan_append
@@ -117,6 +117,13 @@ def add_precompute_arguments(p: argparse.ArgumentParser) -> None:
         "--last-prenorm", action="store_true", help="layer methods: also store the last layer's output before the norm"
     )
     p.add_argument("--draft-vocab-size", type=int, default=None, help="draft vocabulary size (default: the target's)")
+    p.add_argument(
+        "--draft-vocab-from",
+        default=None,
+        metavar="TRAIN_CACHE",
+        help="eagle3: take the draft vocabulary from this cache of the same target instead of counting this "
+        "data's tokens (a held-out cache that does not leak into the training cache's vocabulary)",
+    )
     p.add_argument("--supervision", default="hidden", help="hidden (default), probs, or topk:K")
     p.add_argument(
         "--encode", default="", help="per-feature encodings, e.g. aux_hidden_states=fp8,last_hidden_state=zbf16"
@@ -169,6 +176,7 @@ class PrecomputeConfig:
     last_hidden: bool = False
     last_prenorm: bool = False
     draft_vocab_size: int | None = None
+    draft_vocab_from: str | None = None
     supervision: str = "hidden"
     encodings: dict[str, str] = field(default_factory=dict)
     limit: int | None = None
@@ -191,6 +199,7 @@ class PrecomputeConfig:
     tp_size: int | None = None
     engine: str = "hf"
     tensor_parallel_size: int = 1
+    threads: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PrecomputeConfig:
@@ -216,6 +225,7 @@ class PrecomputeConfig:
             last_hidden=getattr(args, "last_hidden", False),
             last_prenorm=getattr(args, "last_prenorm", False),
             draft_vocab_size=args.draft_vocab_size,
+            draft_vocab_from=getattr(args, "draft_vocab_from", None),
             supervision=args.supervision,
             encodings=parse_encodings(args.encode),
             limit=args.limit,
@@ -238,6 +248,7 @@ class PrecomputeConfig:
             tp_size=getattr(args, "tp_size", None),
             engine=getattr(args, "engine", "hf"),
             tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+            threads=getattr(args, "threads", None),
         )
         cfg.check()
         return cfg
@@ -410,7 +421,7 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
     manifest_config = {
         "method": cfg.method,
         "model": os.path.abspath(cfg.model) if os.path.exists(cfg.model) else cfg.model,
-        "model_config_hash": _config_hash(model_config),
+        "model_config_hash": model_config_hash(model_config),
         "tokenizer_hash": tokenizer_hash(tokenizer),
         "data": cfg.data if is_hub_id(cfg.data) else os.path.abspath(cfg.data),
         "data_hash": file_content_hash(cfg.data, cfg.data_split),
@@ -481,13 +492,6 @@ def _json_hash(value: Any) -> str:
     return xxhash.xxh3_128_hexdigest(json.dumps(value, sort_keys=True, ensure_ascii=True).encode())
 
 
-def _config_hash(model_config: Any) -> str:
-    body = model_config.to_dict()
-    for volatile in ("_name_or_path", "transformers_version", "_commit_hash"):
-        body.pop(volatile, None)
-    return xxhash.xxh3_128_hexdigest(json.dumps(body, sort_keys=True, default=str).encode())
-
-
 # ---------------------------------------------------------------------------
 # running
 
@@ -534,10 +538,12 @@ def pad_tokens(items: list[dict[str, torch.Tensor]], pad_id: int = 0) -> dict[st
     return batch
 
 
-def padded_probs_bytes(num_samples: int, max_length: int, hidden: int, draft_vocab: int, itemsize: int) -> int:
-    """Bytes of the layout other tools write: each sample padded to ``max_length``, full draft-vocab probabilities."""
+def padded_probs_bytes(num_samples: int, length: int, hidden: int, draft_vocab: int, itemsize: int) -> int:
+    """Bytes of the layout other tools write: each sample padded to ``length`` tokens, full draft-vocab
+    probabilities (``stats.padded_probs_bytes`` pads to ``--max-length``, ``padded_probs_longest_bytes`` to the
+    longest sample)."""
     per_token = (3 * hidden + draft_vocab) * itemsize + 8 + 1
-    return num_samples * max_length * per_token
+    return num_samples * length * per_token
 
 
 def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bool = True) -> Manifest:
@@ -618,7 +624,7 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
         side_file = SideFile(
             plan.side_file,
             lambda: method.side_tensors(method_plan, loaded, prepared),
-            {"speccache_side": plan.cache_name},
+            {"speccache_side": plan.cache_name, **method_plan.side_metadata},
         )
         skipped = plan.stats.skipped_rows_jsonl(plan.manifest_config["data"])
         if extension is not None:  # the rows of the cache's earlier data files, then this file's
@@ -670,9 +676,14 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
                 "padded_probs_bytes": padded_probs_bytes(
                     len(plan.samples), cfg.max_length, plan.hidden_size, plan.draft_vocab_size, itemsize
                 ),
+                "longest_sample": int(plan.samples.lengths.max()),
             }
             if extension is not None:
                 run.stats = merge_stats(extension.stats_before, run.stats)
+            if "longest_sample" in run.stats:  # of the whole cache, an append's too
+                run.stats["padded_probs_longest_bytes"] = padded_probs_bytes(
+                    run.stats["samples"], run.stats["longest_sample"], plan.hidden_size, plan.draft_vocab_size, itemsize
+                )
             # counted over every shard of the cache (an append's too): a total, not a sum
             nonfinite = int(writer.comm.sum_tensor(torch.tensor([cleared.total], dtype=torch.int64))[0])
             if nonfinite or cfg.nonfinite == "skip":
@@ -709,21 +720,31 @@ def _discard(output_dir: str, index: int, samples: dict[str, torch.Tensor]) -> s
 
 
 def summary_line(manifest: Manifest, seconds: float) -> str:
-    """The closing line of a run: samples, tokens, bytes per token, the padded full-probability size for comparison,
-    and the measured error of lossy keys."""
+    """The closing line of a run: samples, tokens, the size in all and per token (shards alone and with the side
+    files), the padded full-probability size for comparison, and the measured error of lossy keys."""
     stats = manifest.stats
     shard_bytes = manifest.total_bytes or 0
-    total = shard_bytes + sum(r.bytes for r in manifest.side_files.values())
-    tokens = manifest.num_tokens or 0
-    padded = int(stats.get("padded_probs_bytes", 0))
-    ratio = f"{padded / total:.1f}x smaller" if total else "-"
+    side_bytes = sum(r.bytes for r in manifest.side_files.values())
+    total = shard_bytes + side_bytes
+    tokens = manifest.num_tokens or 1
+    if "padded_probs_longest_bytes" in stats:
+        padded = int(stats["padded_probs_longest_bytes"])
+        padding = f"padded to the longest sample, {stats['longest_sample']} tokens"
+    else:  # a manifest written before the longest sample was recorded (an append to such a cache)
+        padded = int(stats.get("padded_probs_bytes", 0))
+        padding = f"padded to --max-length, {manifest.config.get('max_length')} tokens"
+    if not total or not padded:
+        ratio = "-"
+    else:  # a few samples of a target with a large side file can take more than the padded shards
+        ratio = f"{padded / total:.1f}x smaller" if padded >= total else f"{total / padded:.1f}x larger"
     skipped = sum((stats.get("skipped_rows") or {}).values())
     computed = stats.get("computed_tokens")
-    work = f" ({computed / (tokens or 1):.2f}x computed with padding)" if computed else ""
+    work = f" ({computed / tokens:.2f}x computed with padding)" if computed else ""
     return (
-        f"speccache: {manifest.num_samples} samples ({skipped} rows skipped), {tokens} tokens{work}, "
-        f"{human_bytes(total)} ({shard_bytes / (tokens or 1):.0f} bytes/token) in {seconds:.1f}s; "
-        f"padded full-probability layout would take {human_bytes(padded)} ({ratio})"
+        f"speccache: {manifest.num_samples} samples ({skipped} rows skipped), {manifest.num_tokens or 0} "
+        f"tokens{work}, {human_bytes(total)} in all ({total / tokens:.0f} bytes/token: shards "
+        f"{human_bytes(shard_bytes)}, {shard_bytes / tokens:.0f} bytes/token, + side files {human_bytes(side_bytes)}) "
+        f"in {seconds:.1f}s; padded full-probability layout ({padding}) would take {human_bytes(padded)} ({ratio})"
         + "".join(
             f"; {key} error: relative RMS {e['rms']:.4f}, max {e['max']:.4f} of row amax"
             for key, e in sorted((stats.get("encoding_error") or {}).items())
@@ -787,6 +808,13 @@ def register_commands(sub: Any) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument(
         "--model-dtype", default="auto", help="dtype to run the target in: auto (checkpoint), bf16, fp16, fp32"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's own, which follows OMP_NUM_THREADS and the CPU affinity); "
+        "warns when the CPUs are oversubscribed",
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a rank waits for the others under torchrun")
     p.add_argument(

@@ -17,8 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
-from speccache.format import ShardFile
-from speccache.methods.eagle3 import SIDE_FILE, Eagle3CacheDataset, TargetHead, build_eagle3_dataloader, draft_view
+from speccache.methods.eagle3 import (
+    SIDE_FILE,
+    Eagle3CacheDataset,
+    TargetHead,
+    build_eagle3_dataloader,
+    draft_view,
+    read_side_file,
+)
 from speccache.train.draft import DraftConfig, Eagle3Draft, check_new_draft_dir, save_draft
 
 __all__ = [
@@ -45,7 +51,6 @@ def draft_for_cache(cache_dir: str, intermediate_size: int | None = None) -> tup
     ``2 * hidden``.
     """
     config = Eagle3CacheDataset(cache_dir, keys=["input_ids"]).manifest.config
-    side = ShardFile(os.path.join(cache_dir, SIDE_FILE))
     hidden = int(config["hidden_size"])
     heads, head_dim = _shape(hidden)
     shape = DraftConfig(
@@ -58,7 +63,7 @@ def draft_for_cache(cache_dir: str, intermediate_size: int | None = None) -> tup
         intermediate_size=intermediate_size or 2 * hidden,
         aux_layers=[int(i) for i in config["aux_layers"]],
     )
-    tensors = {name: side.tensor(name).clone() for name in ("embed_tokens", "lm_head", "d2t", "t2d")}
+    tensors = read_side_file(os.path.join(cache_dir, SIDE_FILE), ("embed_tokens", "lm_head", "d2t", "t2d"))
     draft = Eagle3Draft(shape, tensors["embed_tokens"], tensors["lm_head"], tensors["d2t"], tensors["t2d"])
     return draft, TargetHead.from_cache(cache_dir)
 
