@@ -118,6 +118,7 @@ class HiddenStatesEngine:
 
     name = "states"
     group_size = 1
+    pads = True
     opened: list[CaptureRequest] = []
 
     @classmethod

@@ -43,6 +43,13 @@ def test_manifest_records_the_engine(caches):
     assert engine_record(caches[0]) == {"engine": "hf"}
 
 
+def test_computed_tokens_count_no_padding_under_vllm(caches):
+    from speccache.format import Manifest
+
+    hf, vllm = (Manifest.read(c) for c in caches)
+    assert vllm.stats["computed_tokens"] == vllm.stats["tokens"] < hf.stats["computed_tokens"]
+
+
 def test_an_architecture_vllm_cannot_extract_is_refused_before_any_work(tmp_path, capsys):
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -36,10 +36,13 @@ class Engine(Protocol):
     Attributes:
         name: what ``--engine`` calls it (recorded as the manifest's ``config.engine``).
         group_size: how many ranks compute each batch together (a tensor-parallel group); their first rank writes.
+        pads: whether the target computes the padding of a batch (the manifest's ``stats.computed_tokens`` counts
+            it), or only each sequence's own tokens (an engine that batches without padding).
     """
 
     name: str
     group_size: int
+    pads: bool
 
     @classmethod
     def check_flags(cls, cfg: Any) -> None:

@@ -121,6 +121,7 @@ class HfEngine:
     """
 
     name = "hf"
+    pads = True
 
     @classmethod
     def check_flags(cls, cfg: Any) -> None:

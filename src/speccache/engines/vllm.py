@@ -250,6 +250,7 @@ class VllmPrecomputeEngine:
 
     name = "vllm"
     group_size = 1
+    pads = False  # continuous batching: each request computes its own tokens only
 
     @classmethod
     def check_flags(cls, cfg: Any) -> None:

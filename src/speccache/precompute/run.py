@@ -672,7 +672,9 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
                 "rows_truncated": plan.stats.rows_truncated,
                 "samples": len(plan.samples),
                 "tokens": plan.num_tokens,
-                "computed_tokens": computed_tokens(plan.samples.lengths.tolist(), cfg),
+                "computed_tokens": computed_tokens(plan.samples.lengths.tolist(), cfg)
+                if engine.pads
+                else plan.num_tokens,
                 "padded_probs_bytes": padded_probs_bytes(
                     len(plan.samples), cfg.max_length, plan.hidden_size, plan.draft_vocab_size, itemsize
                 ),
