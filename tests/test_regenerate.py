@@ -263,3 +263,26 @@ def test_text_after_turn_is_what_follows_the_end_token_whatever_the_history_rend
     expected = "\n<|im_start|>user\nand 4+4?<|im_end|>\n<|im_start|>assistant\n"
     assert text_after_turn(_qwen3_like(99), messages, "t") == expected
     assert text_after_turn(_qwen3_like(-1), messages, "t") == expected
+
+
+def test_real_target_batched_greedy_equals_one_prompt_at_a_time(real_model):
+    """SmolLM2-135M in fp32: left padding, position ids and rows leaving the batch as they end change no answer."""
+    tokenizer = load_chat_tokenizer(real_model)
+    fmt = ChatFormat.for_tokenizer(tokenizer, tokenizer.get_chat_template())
+    model = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32).eval()
+    questions = [
+        "Hi!",
+        "Name three primes.",
+        "What is 2+2? Answer with one number.",
+        "Say yes.",
+        "Why is the sky blue?",
+    ]
+    prompts = [
+        tokenizer(fmt.render([{"role": "user", "content": q}], "t", generation_prompt=True)[0])["input_ids"]
+        for q in questions
+    ]
+    stops = frozenset({tokenizer.eos_token_id})
+    alone = [generate_batch(model, [p], [torch.Generator()], Sampling(), 24, stops, 0)[0] for p in prompts]
+    together = generate_batch(model, prompts, [torch.Generator() for _ in prompts], Sampling(), 24, stops, 0)
+    assert together == alone
+    assert any(ended for _, ended in alone) and not all(ended for _, ended in alone)

@@ -208,23 +208,25 @@ def generate_batch(
         input_ids=ids, attention_mask=attention, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
     ).logits
     out: list[list[int]] = [[] for _ in prompts]
-    open_rows = list(range(len(prompts)))
+    open_rows = list(range(len(prompts)))  # the prompts still answering, in the order of the batch's rows
     stops = torch.tensor(sorted(stop_ids), device=device)
     position = positions[:, -1:]
-    chosen = torch.full((len(prompts),), pad_id, dtype=torch.long, device=device)
     for step in range(max_new_tokens):
         # only open rows draw: a row's generator carries over to its next turn, whoever it was batched with
-        rows = torch.tensor(open_rows, device=device)
-        chosen[rows] = sampling.choose(logits[rows, -1], [generators[i] for i in open_rows])
-        ended = torch.isin(chosen[rows], stops).tolist()
-        for i, token in zip(open_rows, chosen[rows].tolist()):
+        chosen = sampling.choose(logits[:, -1], [generators[i] for i in open_rows])
+        ended = torch.isin(chosen, stops).tolist()
+        for i, token in zip(open_rows, chosen.tolist()):
             out[i].append(token)
-        open_rows = [i for i, stop in zip(open_rows, ended) if not stop]
-        if not open_rows or step == max_new_tokens - 1:
+        if all(ended) or step == max_new_tokens - 1:
             break
-        # rows that ended keep feeding their last token (their cache is never read again): one forward for all
+        if any(ended):
+            # rows that ended leave the batch (their cache rows too), so the forwards shrink as answers end
+            keep = torch.tensor([k for k, stop in enumerate(ended) if not stop], device=device)
+            cache.batch_select_indices(keep)
+            attention, position, chosen = attention[keep], position[keep], chosen[keep]
+            open_rows = [i for i, stop in zip(open_rows, ended) if not stop]
         position = position + 1
-        attention = torch.cat([attention, attention.new_ones((len(prompts), 1))], dim=-1)
+        attention = torch.cat([attention, attention.new_ones((len(open_rows), 1))], dim=-1)
         logits = model(
             input_ids=chosen.unsqueeze(-1), attention_mask=attention, position_ids=position, cache=cache, use_cache=True
         ).logits
