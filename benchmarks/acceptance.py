@@ -76,8 +76,14 @@ class Stages:
         return seconds
 
 
-def _bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+def _bytes(path: str) -> str:
+    """A cache's bytes: the shards (and manifest), and apart the side file (the target's embedding and LM-head
+    rows, the same for every size)."""
+    from speccache.methods.eagle3 import SIDE_FILE
+
+    total = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+    side = os.path.getsize(os.path.join(path, SIDE_FILE))
+    return f"{total - side:,} + {side:,}"
 
 
 def _regenerated(path: str) -> dict:
@@ -142,14 +148,17 @@ def report(args: argparse.Namespace, sizes: list[int], work: str, stages: Stages
             lines.append(
                 f"| {n} | {name} | {r['tau']:.3f} | {ratio} | {r['speedup']:.2f}x | {same} | {steps} | {accepted} |"
             )
-    lines += ["", "| N | training tokens (generated) | cache bytes | precompute s | train s | evaluate s |"]
+    lines += [
+        "",
+        "| N | training tokens (generated) | cache bytes (shards + side file) | precompute s | train s | evaluate s |",
+    ]
     lines += ["|---|---|---|---|---|---|"]
     for n in sizes:
         tokens, generated = _cache_tokens(os.path.join(work, f"cache-{n}"))
         cache_bytes = _bytes(os.path.join(work, f"cache-{n}"))
         times = [stages.done[f"{s}-{n}"]["seconds"] for s in ("cache", "train", "eval")]
         lines.append(
-            f"| {n} | {tokens:,} ({generated:,}) | {cache_bytes:,} | " + " | ".join(f"{t:.0f}" for t in times) + " |"
+            f"| {n} | {tokens:,} ({generated:,}) | {cache_bytes} | " + " | ".join(f"{t:.0f}" for t in times) + " |"
         )
     held_tokens, _ = _cache_tokens(os.path.join(work, "cache-eval"))
     lines += [
@@ -157,7 +166,7 @@ def report(args: argparse.Namespace, sizes: list[int], work: str, stages: Stages
         f"Other stages: regenerate the training prompts {stages.done['regen-train']['seconds']:.0f} s, the held-out "
         f"prompts {stages.done['regen-eval']['seconds']:.0f} s; precompute the held-out cache "
         f"{stages.done['cache-eval']['seconds']:.0f} s ({held_tokens:,} tokens, "
-        f"{_bytes(os.path.join(work, 'cache-eval')):,} bytes).",
+        f"{_bytes(os.path.join(work, 'cache-eval'))} bytes).",
         "",
         "Each stage's exact command is in `stages.json` of the work directory.",
         "",
