@@ -3,7 +3,11 @@ learning-rate schedule, length-grouped batches, the weighting of training-time-t
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,3 +137,31 @@ def test_train_cli_takes_the_recipe_flags_and_records_them(cache, tmp_path, caps
     assert record["training"]["warmup"] == 0.2 and record["training"]["step_decay"] == 0.8
     assert record["training"]["steps"] == 2 * 5  # 40 samples in batches of 8, every sample once per epoch
     assert record["draft_config"]["intermediate_size"] == 24
+
+
+# --- benchmarks/acceptance.py: finished stages are skipped on a rerun -----------------------------------------------
+
+
+def test_acceptance_stages_skip_what_finished_and_refuse_a_changed_command(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    acceptance = importlib.import_module("acceptance")
+    ran = []
+
+    def run(argv, env):  # stands in for the speccache subprocess: an unknown command fails
+        ran.append(argv[3:])
+        return subprocess.CompletedProcess(argv, 2 if argv[3] == "no-such-command" else 0)
+
+    monkeypatch.setattr(acceptance.subprocess, "run", run)
+    out = str(tmp_path / "regen")
+    acceptance.Stages(str(tmp_path)).run("regen", ["regenerate", "--out", out], out, {})
+    with pytest.raises(SystemExit, match="stage bad failed"):
+        acceptance.Stages(str(tmp_path)).run("bad", ["no-such-command"], out, {})
+    rerun = acceptance.Stages(str(tmp_path))
+    assert set(rerun.done) == {"regen"}  # a failed stage is not recorded
+    assert rerun.run("regen", ["regenerate", "--out", out], out, {}) == rerun.done["regen"]["seconds"]
+    assert ran == [["regenerate", "--out", out], ["no-such-command"]]  # the finished stage did not run again
+    with pytest.raises(SystemExit, match="stage regen .* ran another command"):
+        rerun.run("regen", ["regenerate", "--out", out, "--max-new-tokens", "8"], out, {})
+    os.makedirs(out)
+    acceptance.Stages(str(tmp_path)).run("again", ["regenerate", "--out", out], out, {})
+    assert ran[-1] == ["regenerate", "--out", out, "--resume"]  # an interrupted run's output is continued
