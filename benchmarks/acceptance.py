@@ -68,7 +68,9 @@ class Stages:
         seconds = time.monotonic() - started
         if code not in ok_codes:
             sys.exit(f"acceptance: stage {name} failed (exit status {code}); rerun to continue")
-        self.done[name] = {"command": command, "seconds": seconds}
+        finished = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+        self.done[name] = {"command": command, "seconds": seconds, "finished": finished, "load": load}
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(self.done, f, indent=2)
@@ -107,16 +109,18 @@ def _fmt_steps(steps: list[float]) -> str:
 
 def report(args: argparse.Namespace, sizes: list[int], work: str, stages: Stages, machine: dict, argv: str) -> str:
     """The Markdown section of the results."""
-    lines = [
-        BEGIN,
-        "",
-        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}{' (--quick)' if args.quick else ''}:",
-    ]
+    # the stages may have run long before this report (a rerun skips them): their own times and loads count
+    finished = [r["finished"] for r in stages.done.values() if "finished" in r]
+    loads = [float(r["load"].split()[0]) for r in stages.done.values() if "load" in r]
+    load = f"{min(loads):.1f} to {max(loads):.1f}" if loads else "not recorded"
+    when = max(finished) if finished else time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    lines = [BEGIN, "", f"Measured {when}{' (--quick)' if args.quick else ''}:"]
     lines += ["", "```bash", argv, "```", ""]
     lines += [
-        f"Machine: {machine['cpu']}, {machine['cores']} cores, load average {machine['load_start']} at the start and "
-        f"{machine['load_end']} at the end (a shared machine: the seconds are inflated by other work, tau and the "
-        f"acceptance rates are not); OMP_NUM_THREADS={args.threads} and `--threads {args.threads}`; torch "
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, 1-minute load average "
+        f"{load} as the stages ended (a shared machine: the seconds "
+        f"are inflated by other work, tau and the acceptance rates are not); OMP_NUM_THREADS={args.threads} and "
+        f"`--threads {args.threads}`; torch "
         f"{machine['torch']}, Python {machine['python']}.",
         "",
     ]
@@ -212,7 +216,6 @@ def main() -> None:
     machine = {
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
-        "load_start": " ".join(f"{x:.1f}" for x in os.getloadavg()),
         "python": platform.python_version(),
     }
     model = args.model or ensure_real_target()
@@ -226,6 +229,10 @@ def main() -> None:
         regen = ["regenerate", "--model", model, "--data", prompts, "--out", os.path.join(work, f"regen-{split}")]
         regen += ["--max-new-tokens", str(args.max_new_tokens), "--model-dtype", "bfloat16", "--part-size", "64"]
         stages.run(f"regen-{split}", regen, os.path.join(work, f"regen-{split}"), env)
+        # the command names the prompts file, not how many rows it held when the stage ran
+        regenerated = _regenerated(os.path.join(work, f"regen-{split}"))["rows"]
+        if regenerated != rows:
+            sys.exit(f"acceptance: {work}/regen-{split} holds {regenerated} rows, not {rows}; choose another --work")
     cache = ["--model", model, "--model-dtype", "bf16", "--dtype", "bf16", "--draft-vocab-size", str(DRAFT_VOCAB)]
     cache += ["--max-length", "2048", "--quiet", "--engine", args.engine]
     out = os.path.join(work, "cache-eval")
@@ -247,7 +254,6 @@ def main() -> None:
     import torch
 
     machine["torch"] = torch.__version__
-    machine["load_end"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
     text = report(args, sizes, work, stages, machine, command)
     print(text)
     if args.out:
