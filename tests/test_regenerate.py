@@ -248,9 +248,63 @@ def test_reasoning_is_split_off_where_the_template_separates_it():
     # an R1-style prompt opens the block itself
     assert split_generated_reasoning(qwen, "<|im_start|>assistant\n<think>\n", "a\n</think>\n\nb") == ("a", "b")
     assert split_generated_reasoning(qwen, "", "no thinking") == (None, "no thinking")
+    assert split_generated_reasoning(qwen, "", "<think>\n\n</think>\n\nquick") == (None, "quick")
     tokenizer = AutoTokenizer.from_pretrained(ensure_demo_target())
     plain = ChatFormat.for_tokenizer(tokenizer, tokenizer.get_chat_template())
     assert split_generated_reasoning(plain, "", answer) == (None, answer)
+
+
+DEMO_QWEN3_LIKE = (  # the same shape in the demo tokenizer's tokens
+    "{{ bos_token }}{% for message in messages %}{% if message.role == 'assistant' %}<|assistant|>"
+    "{% if loop.last %}<think>\n{{ (message.reasoning_content or '').strip('\n') }}\n</think>\n\n{% endif %}"
+    "{{ message.content }}<|end|>{% else %}<|{{ message.role }}|>{{ message.content }}<|end|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_thinking_answers_fill_reasoning_content_and_the_history_keeps_the_ids(target, tmp_path, monkeypatch):
+    """A model that thinks (scripted here: the demo target cannot) under a template that renders reasoning only in
+    its last turn: each answer's block goes to reasoning_content, and the next prompt follows the ids it wrote."""
+    import speccache.precompute.regenerate as module
+
+    tokenizer = load_chat_tokenizer(target)
+    said: list[list[int]] = []
+
+    def thinking(model, prompts, generators, sampling, max_new_tokens, stop_ids, pad_id):
+        out = []
+        for prompt in prompts:
+            n = len(said)
+            said.append(list(prompt))
+            text = f"<think>\nstep {n}\n</think>\n\nanswer {n}"
+            out.append((tokenizer(text, add_special_tokens=False)["input_ids"] + [END], True))
+        return out
+
+    monkeypatch.setattr(module, "generate_batch", thinking)
+    template = tmp_path / "qwen3_like.jinja"
+    template.write_text(DEMO_QWEN3_LIKE)
+    data = tmp_path / "two_turns.jsonl"
+    turns = [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "4+4?"},
+    ]
+    data.write_text(json.dumps({"messages": turns}) + "\n")
+    out = tmp_path / "out"
+    assert _regenerate(target, out, "--chat-template", str(template), data=str(data)) == 0
+    (row,) = _rows(out)
+    assert row["messages"] == [
+        turns[0],
+        {"role": "assistant", "content": "answer 0", "reasoning_content": "step 0"},
+        turns[2],
+        {"role": "assistant", "content": "answer 1", "reasoning_content": "step 1"},
+    ]
+    first, second = _segments(row)
+    # the second prompt holds the first answer's think block as the model wrote it (the template would drop it)
+    assert (
+        said[1]
+        == said[0] + first + tokenizer("<|user|>4+4?<|end|><|assistant|>", add_special_tokens=False)["input_ids"]
+    )
+    assert row["input_ids"] == said[1] + second
 
 
 def test_text_after_turn_is_what_follows_the_end_token_whatever_the_history_renders_as():

@@ -457,7 +457,12 @@ def _run(config: RegenerateConfig, fmt: ChatFormat, tokenizer: Any, out: str, re
     sampling = Sampling(config.temperature, config.top_p, config.top_k)
     bar = tqdm(total=config.limit, unit="row", desc="regenerate", disable=not config.progress, dynamic_ncols=True)
     bar.update(done * config.part_size)
-    record["stop_ids"] = sorted(stop_ids)
+    if record.setdefault("stop_ids", sorted(stop_ids)) != sorted(stop_ids):
+        raise ConfigMismatchError(
+            f"--resume: the target's end-of-answer ids are {sorted(stop_ids)} (generation_config.json, tokenizer) "
+            f"but the run in {out} was started with {record['stop_ids']}; resume with the run's settings, "
+            "or regenerate into a new --out"
+        )
     rows = itertools.islice(_rows(config), done * config.part_size, None)
     with bar:
         while True:
