@@ -4,6 +4,7 @@ run resumes to the same bytes; other settings and foreign directories are refuse
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
@@ -203,12 +204,51 @@ def test_refusals(greedy, target, tmp_path, capsys):
     with pytest.raises(CacheExistsError, match="did not write"):
         regenerate(RegenerateConfig(target, demo_data_path("openai"), str(foreign)))
     assert os.listdir(foreign) == ["notes.txt"]
+    for flags, message in [
+        (["--temperature", "-1"], "--temperature must be >= 0"),
+        (["--top-p", "0"], "--top-p must lie in"),
+        (["--top-k", "-2"], "--top-k must be >= 0"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--model-dtype", "float16"], "--model-dtype 'float16' is unknown"),
+        (["--device", "tpu"], "--device 'tpu' is unknown"),
+    ]:
+        assert _regenerate(target, tmp_path / "bad", *flags) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
     with pytest.raises(ValueError, match="--engine vllm is not implemented"):
         regenerate(RegenerateConfig(target, demo_data_path("openai"), str(tmp_path / "v"), engine="vllm"))
     ids = tmp_path / "ids.jsonl"
     ids.write_text(json.dumps({"input_ids": [1, 2], "loss_mask": [0, 1]}) + "\n")
     with pytest.raises(DataError, match="regenerate needs chat rows"):
         regenerate(RegenerateConfig(target, str(ids), str(tmp_path / "i")))
+
+
+def test_reads_sharegpt_rows_from_a_compressed_file(target, tmp_path):
+    """The same readers as precompute: ShareGPT with a top-level system prompt, gzip; the output is OpenAI form."""
+    with open(demo_data_path("sharegpt")) as f:
+        rows = [json.loads(line) for line in f][:3]
+    rows[0]["system"] = "Be brief."
+    data = tmp_path / "rows.jsonl.gz"
+    with gzip.open(data, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    out = tmp_path / "out"
+    assert _regenerate(target, out, "--max-new-tokens", "4", data=str(data)) == 0
+    written = _rows(out)
+    assert written[0]["messages"][0] == {"role": "system", "content": "Be brief."}
+    for row, given in zip(written, rows):
+        users = [t["value"] for t in given["conversations"] if t["from"] == "human"]
+        assert [m["content"] for m in row["messages"] if m["role"] == "user"] == users[: len(_segments(row))]
+
+
+def test_resume_refuses_a_part_changed_after_it_was_written(greedy, tmp_path, capsys):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(greedy, damaged)
+    with open(damaged / "part-00001.jsonl", "a") as f:
+        f.write("\n")
+    record = json.loads((greedy / "regenerate.json").read_text())["settings"]
+    argv = ["regenerate", "--model", record["model"], "--data", demo_data_path("openai"), "--out", str(damaged)]
+    assert main([*argv, *FLAGS, "--resume"]) == 1
+    assert "part-00001.jsonl: the part differs from the checksum" in capsys.readouterr().err
 
 
 def test_precompute_refuses_an_unfinished_run(greedy, target, tmp_path, capsys):

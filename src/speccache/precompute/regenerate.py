@@ -24,6 +24,7 @@ import itertools
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,6 +128,10 @@ class RegenerateConfig:
             raise ValueError(f"--top-p must lie in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"--top-k must be >= 0 (0: no top-k), got {self.top_k}")
+        if self.device is not None and not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
+            raise ValueError(f"--device {self.device!r} is unknown; choose cpu or cuda")
+        if self.device is not None and self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {self.device}: no CUDA device is visible to this process; use --device cpu")
 
 
 @dataclass
