@@ -157,8 +157,23 @@ def test_sampling_is_seeded_per_row_and_independent_of_batch_size(target, tmp_pa
     assert outs["seed"] != outs["b1"]
 
 
-def test_a_run_killed_mid_part_resumes_to_the_same_bytes(greedy, target, tmp_path):
-    """The process is SIGKILLed with the second part's temporary file half-written; --resume completes it."""
+KILLS = {
+    # the second part's temporary file half-written
+    "mid_part_write": "    if path.endswith('part-00001.jsonl'):\n"
+    "        tmp = durable.temp_path(path)\n"
+    "        fn(tmp)\n"
+    "        os.truncate(tmp, os.path.getsize(tmp) // 2)\n"
+    "        os.kill(os.getpid(), signal.SIGKILL)\n",
+    # the second part in place, the record not yet updated: it lists one part
+    "before_record": "    if path.endswith('regenerate.json') and os.path.exists(path[: -len('regenerate.json')] + "
+    "'part-00001.jsonl'):\n"
+    "        os.kill(os.getpid(), signal.SIGKILL)\n",
+}
+
+
+@pytest.mark.parametrize("point", sorted(KILLS))
+def test_a_killed_run_resumes_to_the_same_bytes(greedy, target, tmp_path, point):
+    """The process is SIGKILLed inside the second part's writes; --resume completes the run to the same bytes."""
     out = tmp_path / "killed"
     argv = ["regenerate", "--model", target, "--data", demo_data_path("openai"), "--out", str(out), *FLAGS]
     kill = (
@@ -166,11 +181,7 @@ def test_a_run_killed_mid_part_resumes_to_the_same_bytes(greedy, target, tmp_pat
         "from speccache.format import durable\n"
         "real = durable.atomic_write\n"
         "def write(path, fn):\n"
-        "    if path.endswith('part-00001.jsonl'):\n"
-        "        tmp = durable.temp_path(path)\n"
-        "        fn(tmp)\n"
-        "        os.truncate(tmp, os.path.getsize(tmp) // 2)\n"
-        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"{KILLS[point]}"
         "    return real(path, fn)\n"
         "durable.atomic_write = write\n"
         "from speccache.cli import main\n"
@@ -178,8 +189,8 @@ def test_a_run_killed_mid_part_resumes_to_the_same_bytes(greedy, target, tmp_pat
     )
     done = subprocess.run([sys.executable, "-c", kill, *argv], capture_output=True, text=True)
     assert done.returncode == -9, done.stderr
-    assert json.loads((out / "regenerate.json").read_text())["complete"] is False
-    assert any(".tmp-" in n for n in os.listdir(out))
+    record = json.loads((out / "regenerate.json").read_text())
+    assert record["complete"] is False and [p["name"] for p in record["parts"]] == ["part-00000.jsonl"]
     assert main([*argv, "--resume"]) == 0
     assert sorted(os.listdir(out)) == sorted(os.listdir(greedy))
     for name in os.listdir(greedy):
