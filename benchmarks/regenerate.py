@@ -65,7 +65,8 @@ def main() -> None:
                 rows.append(row)
                 rate = f"{result.rows / seconds:.2f} rows/s, {result.generated_tokens / seconds:.1f} tokens/s"
                 print(
-                    f"{dtype:9} batch {batch:3}: {result.generated_tokens} tokens in {seconds:.1f} s = {rate}",
+                    f"{dtype:9} batch {batch:3}: {result.generated_tokens} tokens in {seconds:.1f} s = {rate}; "
+                    f"{cpu:.1f} CPU s",
                     flush=True,
                 )
     lines = [
@@ -79,9 +80,12 @@ def main() -> None:
         "second of wall time; CPU seconds are the process's own (a shared machine's other load is in the wall time "
         "only).",
         "",
-        "| dtype | batch | rows | generated tokens | seconds | rows/s | tokens/s |",
-        "|---|---|---|---|---|---|---|",
-        *(f"| {d} | {b} | {r} | {t} | {s:.1f} | {r / s:.2f} | {t / s:.1f} |" for d, b, r, t, s in rows),
+        "| dtype | batch | rows | generated tokens | seconds | CPU seconds | rows/s | tokens/s | tokens per CPU s |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *(
+            f"| {d} | {b} | {r} | {t} | {s:.1f} | {c:.1f} | {r / s:.2f} | {t / s:.1f} | {t / c:.1f} |"
+            for d, b, r, t, s, c in rows
+        ),
         END,
     ]
     if args.out:
