@@ -140,11 +140,32 @@ def test_precompute_caches_exactly_the_generated_ids(greedy, target, tmp_path):
         assert int(sample["source_row"]) == i
 
 
-def test_turn_flags_are_refused_for_rows_of_ids(greedy, target, tmp_path, capsys):
-    for flag in (["--turns", "last"], ["--expand-turns"]):
-        argv = ["precompute", "--model", target, "--data", str(greedy), "--out", str(tmp_path / "c"), "--quiet"]
-        assert main([*argv, *flag]) == 1
-        assert "cannot divide into turns" in capsys.readouterr().err
+def test_turn_modes_take_the_answers_as_turns(greedy, target, tmp_path):
+    """--turns last supervises only a row's last answer; --expand-turns gives one sample per answer, up to its end."""
+    rows = _rows(greedy)
+    base = ["precompute", "--model", target, "--data", str(greedy), "--shard-size", "4", "--batch-size", "2"]
+    caches = {}
+    for name, flags in {"last": ["--turns", "last"], "expand": ["--expand-turns"]}.items():
+        assert main([*base, "--out", str(tmp_path / name), "--max-length", "512", "--quiet", *flags]) == 0
+        caches[name] = CacheDataset(str(tmp_path / name))
+    expected = []
+    for i, row in enumerate(rows):
+        mask = row["loss_mask"]
+        starts = [t for t in range(len(mask)) if mask[t] and (t == 0 or not mask[t - 1])]
+        ends = [t + 1 for t in range(len(mask)) if mask[t] and (t + 1 == len(mask) or not mask[t + 1])]
+        last = caches["last"][i]
+        assert last["input_ids"].tolist() == row["input_ids"]
+        assert last["loss_mask"].tolist() == [int(starts[-1] <= t < ends[-1]) for t in range(len(mask))]
+        expected += [
+            (i, k, row["input_ids"][:end], [int(a <= t < end) for t in range(end)])
+            for k, (a, end) in enumerate(zip(starts, ends))
+        ]
+    expand = caches["expand"]
+    got = [
+        (int(s["source_row"]), int(s["sample_turn"]), s["input_ids"].tolist(), s["loss_mask"].tolist())
+        for s in (expand[j] for j in range(len(expand)))
+    ]
+    assert sorted(got) == sorted(expected) and any(k > 0 for _, k, _, _ in got)
 
 
 def test_sampling_is_seeded_per_row_and_independent_of_batch_size(target, tmp_path):

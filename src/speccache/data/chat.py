@@ -746,6 +746,26 @@ def chat_template_of(tokenizer: Any) -> str | None:
 _Sample = tuple[int, np.ndarray, np.ndarray]  # (turn, input_ids, loss_mask); turn -1: the whole row
 
 
+def _pretokenized_turns(
+    ids: np.ndarray, mask: np.ndarray, fmt: ChatFormat | MistralCommonFormat | None
+) -> list[_Sample]:
+    """A pre-tokenized row's samples under ``--turns`` and ``--expand-turns``: its turns are the runs of 1 in
+    its loss mask (an answer regenerate wrote is one run, and the template text between two answers is not)."""
+    if fmt is None or (fmt.turns == "all" and not fmt.expand_turns):
+        return [(-1, ids, mask)]
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    runs = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+    def only(start: int, end: int) -> np.ndarray:
+        kept = np.zeros(len(ids), dtype=np.uint8)
+        kept[start:end] = 1
+        return kept
+
+    if fmt.expand_turns:
+        return [(k, ids[:end], only(start, end)[:end]) for k, (start, end) in enumerate(runs)]
+    return [(-1, ids, only(*runs[-1]) if runs else mask)]
+
+
 def _encode(row: Any, tokenizer: Any, fmt: ChatFormat | MistralCommonFormat | None, where: str) -> list[_Sample] | None:
     """Full-length samples of a row (one, or one per assistant turn), or None when it has no assistant message."""
     if not isinstance(row, dict):
@@ -753,12 +773,8 @@ def _encode(row: Any, tokenizer: Any, fmt: ChatFormat | MistralCommonFormat | No
     if "input_ids" in row:
         # The ids win over any chat text beside them: they are exactly what the model saw and wrote (rows of
         # speccache regenerate carry both), and its text re-tokenized may differ.
-        if fmt is not None and (fmt.turns != "all" or fmt.expand_turns):
-            raise DataError(
-                f"{where}: a pre-tokenized row ('input_ids' with 'loss_mask') carries its own loss mask, which "
-                "--turns last and --expand-turns cannot divide into turns; drop those flags for such data"
-            )
-        return [(-1, *_pretokenized(row, tokenizer, where))]
+        ids, mask = _pretokenized(row, tokenizer, where)
+        return _pretokenized_turns(ids, mask, fmt)
     messages, tools = chat_messages(row, where)
     if not any(m["role"] == "assistant" for m in messages):
         return None
