@@ -21,8 +21,9 @@ from speccache.data import ChatFormat, load_chat_tokenizer
 from speccache.data.template import split_generated_reasoning, text_after_turn
 from speccache.demo import demo_data_path, ensure_demo_target
 from speccache.errors import CacheExistsError, DataError
-from speccache.precompute.regenerate import RegenerateConfig, Sampling, generate_batch, regenerate
+from speccache.precompute.regenerate import Sampling, generate_batch
 from speccache.read import CacheDataset
+from speccache.regenerate import RegenerateConfig, regenerate
 
 pytestmark = pytest.mark.usefixtures("offline_single_thread")
 
