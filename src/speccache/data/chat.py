@@ -4,8 +4,8 @@ Input files are ``.jsonl`` (one JSON object per line, blank lines ignored), ``.j
 (the same, compressed; a file that ends inside a gzip member or zstd frame is an error, not a shorter file),
 ``.json`` (one JSON list of objects), ``.parquet`` (read in place with ``pyarrow``, never copied into a cache),
 or a directory written by Hugging Face ``datasets``' ``save_to_disk`` (read through ``datasets``, memory-mapped
-Arrow; ``--data-split`` chooses a ``DatasetDict``'s split, and is refused for data without splits). A row is
-one of:
+Arrow; ``--data-split`` chooses a ``DatasetDict``'s split, and is refused for data without splits), or a
+directory ``speccache regenerate`` wrote (its parts' rows in order, once the run is complete). A row is one of:
 
 * ShareGPT / FastChat: ``{"conversations": [{"from": "human"|"gpt"|"system"|"user"|"assistant", "value": str},
   ...]}`` (``human`` means ``user`` and ``gpt`` means ``assistant``; ``function_call``, whose value is the JSON
@@ -16,7 +16,8 @@ one of:
   (``reasoning_content``, ``reasoning`` or ``thinking``), content as a list of text parts (joined by newlines),
   every other field kept for the template;
 * either chat form with a top-level ``"tools"`` list of tool schemas (or its JSON text);
-* pre-tokenized: ``{"input_ids": [int, ...], "loss_mask": [0|1, ...]}`` of equal, non-zero length.
+* pre-tokenized: ``{"input_ids": [int, ...], "loss_mask": [0|1, ...]}`` of equal, non-zero length; a row
+  with ``input_ids`` is read as pre-tokenized whatever chat text it also holds (regenerate's rows hold both).
 
 Other keys (``"id"``...) are ignored. Rows are named in messages as ``file:line`` (1-based line) for JSON
 lines and ``file[index]`` (0-based) otherwise. A sample's ``source_row`` is its 0-based row number: the
@@ -532,14 +533,13 @@ def _raw_rows(path: str, split: str | None = None) -> Iterator[tuple[int, str, A
     if kind in ("dataset", "hub"):
         yield from _dataset_rows(path, split)
         return
+    data_root(path, split)  # refuses a --data-split of a data file or a regenerated directory
     if kind == "regenerated":
-        data_root(path, split)
         for row_no, where, raw in regenerated_rows(path):
             value = _parse_line(raw, where, False)
             if value is not _BLANK:
                 yield row_no, where, value
         return
-    data_root(path, split)  # refuses a --data-split of a data file
     if kind == "parquet":
         yield from _parquet_rows(path)
         return
