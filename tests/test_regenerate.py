@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -252,8 +253,11 @@ def test_refusals(greedy, target, tmp_path, capsys):
         regenerate(RegenerateConfig(target, demo_data_path("openai"), str(tmp_path / "v"), engine="vllm"))
     ids = tmp_path / "ids.jsonl"
     ids.write_text(json.dumps({"input_ids": [1, 2], "loss_mask": [0, 1]}) + "\n")
-    with pytest.raises(DataError, match="regenerate needs chat rows"):
-        regenerate(RegenerateConfig(target, str(ids), str(tmp_path / "i")))
+    import speccache.precompute.regenerate as module
+
+    with mock.patch.object(module, "load_target", side_effect=AssertionError("the model was loaded")):
+        with pytest.raises(DataError, match="regenerate needs chat rows"):  # found before the model loads
+            regenerate(RegenerateConfig(target, str(ids), str(tmp_path / "i")))
 
 
 def test_reads_sharegpt_rows_from_a_compressed_file(target, tmp_path):

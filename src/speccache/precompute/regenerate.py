@@ -453,26 +453,26 @@ def _run(config: RegenerateConfig, fmt: ChatFormat, tokenizer: Any, out: str, re
     from tqdm import tqdm
 
     done = len(record["parts"])
-    device = target_device(config.device)
-    model = load_target(config.model, MODEL_DTYPES[config.model_dtype], device).model
+    rows = itertools.islice(_rows(config), done * config.part_size, None)
+
+    def next_part() -> list[_Row]:
+        return [_Row(*r, fmt, tokenizer, config.seed) for r in itertools.islice(rows, config.part_size)]
+
+    states = next_part()  # a bad row of the first part fails before the model loads
+    model = load_target(config.model, MODEL_DTYPES[config.model_dtype], target_device(config.device)).model
     stop_ids = _stop_ids(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
-    sampling = Sampling(config.temperature, config.top_p, config.top_k)
-    bar = tqdm(total=config.limit, unit="row", desc="regenerate", disable=not config.progress, dynamic_ncols=True)
-    bar.update(done * config.part_size)
     if record.setdefault("stop_ids", sorted(stop_ids)) != sorted(stop_ids):
         raise ConfigMismatchError(
             f"--resume: the target's end-of-answer ids are {sorted(stop_ids)} (generation_config.json, tokenizer) "
             f"but the run in {out} was started with {record['stop_ids']}; resume with the run's settings, "
             "or regenerate into a new --out"
         )
-    rows = itertools.islice(_rows(config), done * config.part_size, None)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
+    sampling = Sampling(config.temperature, config.top_p, config.top_k)
+    bar = tqdm(total=config.limit, unit="row", desc="regenerate", disable=not config.progress, dynamic_ncols=True)
+    bar.update(done * config.part_size)
     with bar:
-        while True:
-            part = list(itertools.islice(rows, config.part_size))
-            if not part:
-                break
-            states = [_Row(*r, fmt, tokenizer, config.seed) for r in part]
+        while states:
             _part_rows(states, model, sampling, config, stop_ids, pad_id)
             lines = "".join(json.dumps(s.to_json(), ensure_ascii=False) + "\n" for s in states).encode("utf-8")
             name = part_name(len(record["parts"]))
@@ -490,6 +490,7 @@ def _run(config: RegenerateConfig, fmt: ChatFormat, tokenizer: Any, out: str, re
             record["counts"] = _counts(record)
             _write_record(out, record)
             bar.update(len(states))
+            states = next_part()
     record["complete"] = True
     record["counts"] = _counts(record)
     _write_record(out, record)
