@@ -549,7 +549,6 @@ TRIGGERS: dict[str, T] = {
     "entries but 'input_ids' has": lambda e: _row({"input_ids": [1, 2], "loss_mask": [1]}),
     "chat rows need a tokenizer with a chat template": lambda e: _row_without_template(),
     # regenerate
-    "cannot divide into turns": lambda e: __import__("speccache.data").data.tokenize_row({"input_ids": [1], "loss_mask": [1]}, _tokenizer(), 64, where="r:1", fmt=chat_format(_tokenizer(), turns="last")),
     "holds files speccache regenerate did not write": lambda e: (_touch(e.tmp / "notes.txt"), check_regenerate_dir(str(e.tmp))),
     "already holds a regenerate run; pass --resume": lambda e: (_touch(e.tmp / REGENERATE_NAME), regenerate(RegenerateConfig(str(e.tmp), str(e.tmp), str(e.tmp)))),
     "is a file; choose a new directory to regenerate into": lambda e: regenerate(RegenerateConfig("m", "d", str(_touch(e.tmp / "f")))),

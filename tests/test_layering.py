@@ -33,6 +33,7 @@ RANKS = {
     "speccache.train": 4,
     "speccache.cli": 5,
     "speccache.offline_cache": 5,
+    "speccache.regenerate": 5,
     "speccache.demo": 6,
     "speccache.__main__": 6,
     "speccache": 7,

@@ -4,11 +4,13 @@ run resumes to the same bytes; other settings and foreign directories are refuse
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -20,8 +22,9 @@ from speccache.data import ChatFormat, load_chat_tokenizer
 from speccache.data.template import split_generated_reasoning, text_after_turn
 from speccache.demo import demo_data_path, ensure_demo_target
 from speccache.errors import CacheExistsError, DataError
-from speccache.precompute.regenerate import RegenerateConfig, Sampling, generate_batch, regenerate
+from speccache.precompute.regenerate import Sampling, generate_batch
 from speccache.read import CacheDataset
+from speccache.regenerate import RegenerateConfig, regenerate
 
 pytestmark = pytest.mark.usefixtures("offline_single_thread")
 
@@ -139,11 +142,32 @@ def test_precompute_caches_exactly_the_generated_ids(greedy, target, tmp_path):
         assert int(sample["source_row"]) == i
 
 
-def test_turn_flags_are_refused_for_rows_of_ids(greedy, target, tmp_path, capsys):
-    for flag in (["--turns", "last"], ["--expand-turns"]):
-        argv = ["precompute", "--model", target, "--data", str(greedy), "--out", str(tmp_path / "c"), "--quiet"]
-        assert main([*argv, *flag]) == 1
-        assert "cannot divide into turns" in capsys.readouterr().err
+def test_turn_modes_take_the_answers_as_turns(greedy, target, tmp_path):
+    """--turns last supervises only a row's last answer; --expand-turns gives one sample per answer, up to its end."""
+    rows = _rows(greedy)
+    base = ["precompute", "--model", target, "--data", str(greedy), "--shard-size", "4", "--batch-size", "2"]
+    caches = {}
+    for name, flags in {"last": ["--turns", "last"], "expand": ["--expand-turns"]}.items():
+        assert main([*base, "--out", str(tmp_path / name), "--max-length", "512", "--quiet", *flags]) == 0
+        caches[name] = CacheDataset(str(tmp_path / name))
+    expected = []
+    for i, row in enumerate(rows):
+        mask = row["loss_mask"]
+        starts = [t for t in range(len(mask)) if mask[t] and (t == 0 or not mask[t - 1])]
+        ends = [t + 1 for t in range(len(mask)) if mask[t] and (t + 1 == len(mask) or not mask[t + 1])]
+        last = caches["last"][i]
+        assert last["input_ids"].tolist() == row["input_ids"]
+        assert last["loss_mask"].tolist() == [int(starts[-1] <= t < ends[-1]) for t in range(len(mask))]
+        expected += [
+            (i, k, row["input_ids"][:end], [int(a <= t < end) for t in range(end)])
+            for k, (a, end) in enumerate(zip(starts, ends))
+        ]
+    expand = caches["expand"]
+    got = [
+        (int(s["source_row"]), int(s["sample_turn"]), s["input_ids"].tolist(), s["loss_mask"].tolist())
+        for s in (expand[j] for j in range(len(expand)))
+    ]
+    assert sorted(got) == sorted(expected) and any(k > 0 for _, k, _, _ in got)
 
 
 def test_sampling_is_seeded_per_row_and_independent_of_batch_size(target, tmp_path):
@@ -156,8 +180,23 @@ def test_sampling_is_seeded_per_row_and_independent_of_batch_size(target, tmp_pa
     assert outs["seed"] != outs["b1"]
 
 
-def test_a_run_killed_mid_part_resumes_to_the_same_bytes(greedy, target, tmp_path):
-    """The process is SIGKILLed with the second part's temporary file half-written; --resume completes it."""
+KILLS = {
+    # the second part's temporary file half-written
+    "mid_part_write": "    if path.endswith('part-00001.jsonl'):\n"
+    "        tmp = durable.temp_path(path)\n"
+    "        fn(tmp)\n"
+    "        os.truncate(tmp, os.path.getsize(tmp) // 2)\n"
+    "        os.kill(os.getpid(), signal.SIGKILL)\n",
+    # the second part in place, the record not yet updated: it lists one part
+    "before_record": "    if path.endswith('regenerate.json') and os.path.exists(path[: -len('regenerate.json')] + "
+    "'part-00001.jsonl'):\n"
+    "        os.kill(os.getpid(), signal.SIGKILL)\n",
+}
+
+
+@pytest.mark.parametrize("point", sorted(KILLS))
+def test_a_killed_run_resumes_to_the_same_bytes(greedy, target, tmp_path, point):
+    """The process is SIGKILLed inside the second part's writes; --resume completes the run to the same bytes."""
     out = tmp_path / "killed"
     argv = ["regenerate", "--model", target, "--data", demo_data_path("openai"), "--out", str(out), *FLAGS]
     kill = (
@@ -165,11 +204,7 @@ def test_a_run_killed_mid_part_resumes_to_the_same_bytes(greedy, target, tmp_pat
         "from speccache.format import durable\n"
         "real = durable.atomic_write\n"
         "def write(path, fn):\n"
-        "    if path.endswith('part-00001.jsonl'):\n"
-        "        tmp = durable.temp_path(path)\n"
-        "        fn(tmp)\n"
-        "        os.truncate(tmp, os.path.getsize(tmp) // 2)\n"
-        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"{KILLS[point]}"
         "    return real(path, fn)\n"
         "durable.atomic_write = write\n"
         "from speccache.cli import main\n"
@@ -177,8 +212,8 @@ def test_a_run_killed_mid_part_resumes_to_the_same_bytes(greedy, target, tmp_pat
     )
     done = subprocess.run([sys.executable, "-c", kill, *argv], capture_output=True, text=True)
     assert done.returncode == -9, done.stderr
-    assert json.loads((out / "regenerate.json").read_text())["complete"] is False
-    assert any(".tmp-" in n for n in os.listdir(out))
+    record = json.loads((out / "regenerate.json").read_text())
+    assert record["complete"] is False and [p["name"] for p in record["parts"]] == ["part-00000.jsonl"]
     assert main([*argv, "--resume"]) == 0
     assert sorted(os.listdir(out)) == sorted(os.listdir(greedy))
     for name in os.listdir(greedy):
@@ -203,12 +238,54 @@ def test_refusals(greedy, target, tmp_path, capsys):
     with pytest.raises(CacheExistsError, match="did not write"):
         regenerate(RegenerateConfig(target, demo_data_path("openai"), str(foreign)))
     assert os.listdir(foreign) == ["notes.txt"]
+    for flags, message in [
+        (["--temperature", "-1"], "--temperature must be >= 0"),
+        (["--top-p", "0"], "--top-p must lie in"),
+        (["--top-k", "-2"], "--top-k must be >= 0"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--model-dtype", "float16"], "--model-dtype 'float16' is unknown"),
+        (["--device", "tpu"], "--device 'tpu' is unknown"),
+    ]:
+        assert _regenerate(target, tmp_path / "bad", *flags) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
     with pytest.raises(ValueError, match="--engine vllm is not implemented"):
         regenerate(RegenerateConfig(target, demo_data_path("openai"), str(tmp_path / "v"), engine="vllm"))
     ids = tmp_path / "ids.jsonl"
     ids.write_text(json.dumps({"input_ids": [1, 2], "loss_mask": [0, 1]}) + "\n")
-    with pytest.raises(DataError, match="regenerate needs chat rows"):
-        regenerate(RegenerateConfig(target, str(ids), str(tmp_path / "i")))
+    import speccache.precompute.regenerate as module
+
+    with mock.patch.object(module, "load_target", side_effect=AssertionError("the model was loaded")):
+        with pytest.raises(DataError, match="regenerate needs chat rows"):  # found before the model loads
+            regenerate(RegenerateConfig(target, str(ids), str(tmp_path / "i")))
+
+
+def test_reads_sharegpt_rows_from_a_compressed_file(target, tmp_path):
+    """The same readers as precompute: ShareGPT with a top-level system prompt, gzip; the output is OpenAI form."""
+    with open(demo_data_path("sharegpt")) as f:
+        rows = [json.loads(line) for line in f][:3]
+    rows[0]["system"] = "Be brief."
+    data = tmp_path / "rows.jsonl.gz"
+    with gzip.open(data, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    out = tmp_path / "out"
+    assert _regenerate(target, out, "--max-new-tokens", "4", data=str(data)) == 0
+    written = _rows(out)
+    assert written[0]["messages"][0] == {"role": "system", "content": "Be brief."}
+    for row, given in zip(written, rows):
+        users = [t["value"] for t in given["conversations"] if t["from"] == "human"]
+        assert [m["content"] for m in row["messages"] if m["role"] == "user"] == users[: len(_segments(row))]
+
+
+def test_resume_refuses_a_part_changed_after_it_was_written(greedy, tmp_path, capsys):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(greedy, damaged)
+    with open(damaged / "part-00001.jsonl", "a") as f:
+        f.write("\n")
+    record = json.loads((greedy / "regenerate.json").read_text())["settings"]
+    argv = ["regenerate", "--model", record["model"], "--data", demo_data_path("openai"), "--out", str(damaged)]
+    assert main([*argv, *FLAGS, "--resume"]) == 1
+    assert "part-00001.jsonl: the part differs from the checksum" in capsys.readouterr().err
 
 
 def test_precompute_refuses_an_unfinished_run(greedy, target, tmp_path, capsys):
@@ -248,9 +325,63 @@ def test_reasoning_is_split_off_where_the_template_separates_it():
     # an R1-style prompt opens the block itself
     assert split_generated_reasoning(qwen, "<|im_start|>assistant\n<think>\n", "a\n</think>\n\nb") == ("a", "b")
     assert split_generated_reasoning(qwen, "", "no thinking") == (None, "no thinking")
+    assert split_generated_reasoning(qwen, "", "<think>\n\n</think>\n\nquick") == (None, "quick")
     tokenizer = AutoTokenizer.from_pretrained(ensure_demo_target())
     plain = ChatFormat.for_tokenizer(tokenizer, tokenizer.get_chat_template())
     assert split_generated_reasoning(plain, "", answer) == (None, answer)
+
+
+DEMO_QWEN3_LIKE = (  # the same shape in the demo tokenizer's tokens
+    "{{ bos_token }}{% for message in messages %}{% if message.role == 'assistant' %}<|assistant|>"
+    "{% if loop.last %}<think>\n{{ (message.reasoning_content or '').strip('\n') }}\n</think>\n\n{% endif %}"
+    "{{ message.content }}<|end|>{% else %}<|{{ message.role }}|>{{ message.content }}<|end|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_thinking_answers_fill_reasoning_content_and_the_history_keeps_the_ids(target, tmp_path, monkeypatch):
+    """A model that thinks (scripted here: the demo target cannot) under a template that renders reasoning only in
+    its last turn: each answer's block goes to reasoning_content, and the next prompt follows the ids it wrote."""
+    import speccache.precompute.regenerate as module
+
+    tokenizer = load_chat_tokenizer(target)
+    said: list[list[int]] = []
+
+    def thinking(model, prompts, generators, sampling, max_new_tokens, stop_ids, pad_id):
+        out = []
+        for prompt in prompts:
+            n = len(said)
+            said.append(list(prompt))
+            text = f"<think>\nstep {n}\n</think>\n\nanswer {n}"
+            out.append((tokenizer(text, add_special_tokens=False)["input_ids"] + [END], True))
+        return out
+
+    monkeypatch.setattr(module, "generate_batch", thinking)
+    template = tmp_path / "qwen3_like.jinja"
+    template.write_text(DEMO_QWEN3_LIKE)
+    data = tmp_path / "two_turns.jsonl"
+    turns = [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "4+4?"},
+    ]
+    data.write_text(json.dumps({"messages": turns}) + "\n")
+    out = tmp_path / "out"
+    assert _regenerate(target, out, "--chat-template", str(template), data=str(data)) == 0
+    (row,) = _rows(out)
+    assert row["messages"] == [
+        turns[0],
+        {"role": "assistant", "content": "answer 0", "reasoning_content": "step 0"},
+        turns[2],
+        {"role": "assistant", "content": "answer 1", "reasoning_content": "step 1"},
+    ]
+    first, second = _segments(row)
+    # the second prompt holds the first answer's think block as the model wrote it (the template would drop it)
+    assert (
+        said[1]
+        == said[0] + first + tokenizer("<|user|>4+4?<|end|><|assistant|>", add_special_tokens=False)["input_ids"]
+    )
+    assert row["input_ids"] == said[1] + second
 
 
 def test_text_after_turn_is_what_follows_the_end_token_whatever_the_history_renders_as():

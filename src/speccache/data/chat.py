@@ -4,8 +4,8 @@ Input files are ``.jsonl`` (one JSON object per line, blank lines ignored), ``.j
 (the same, compressed; a file that ends inside a gzip member or zstd frame is an error, not a shorter file),
 ``.json`` (one JSON list of objects), ``.parquet`` (read in place with ``pyarrow``, never copied into a cache),
 or a directory written by Hugging Face ``datasets``' ``save_to_disk`` (read through ``datasets``, memory-mapped
-Arrow; ``--data-split`` chooses a ``DatasetDict``'s split, and is refused for data without splits). A row is
-one of:
+Arrow; ``--data-split`` chooses a ``DatasetDict``'s split, and is refused for data without splits), or a
+directory ``speccache regenerate`` wrote (its parts' rows in order, once the run is complete). A row is one of:
 
 * ShareGPT / FastChat: ``{"conversations": [{"from": "human"|"gpt"|"system"|"user"|"assistant", "value": str},
   ...]}`` (``human`` means ``user`` and ``gpt`` means ``assistant``; ``function_call``, whose value is the JSON
@@ -16,7 +16,8 @@ one of:
   (``reasoning_content``, ``reasoning`` or ``thinking``), content as a list of text parts (joined by newlines),
   every other field kept for the template;
 * either chat form with a top-level ``"tools"`` list of tool schemas (or its JSON text);
-* pre-tokenized: ``{"input_ids": [int, ...], "loss_mask": [0|1, ...]}`` of equal, non-zero length.
+* pre-tokenized: ``{"input_ids": [int, ...], "loss_mask": [0|1, ...]}`` of equal, non-zero length; a row
+  with ``input_ids`` is read as pre-tokenized whatever chat text it also holds (regenerate's rows hold both).
 
 Other keys (``"id"``...) are ignored. Rows are named in messages as ``file:line`` (1-based line) for JSON
 lines and ``file[index]`` (0-based) otherwise. A sample's ``source_row`` is its 0-based row number: the
@@ -532,14 +533,13 @@ def _raw_rows(path: str, split: str | None = None) -> Iterator[tuple[int, str, A
     if kind in ("dataset", "hub"):
         yield from _dataset_rows(path, split)
         return
+    data_root(path, split)  # refuses a --data-split of a data file or a regenerated directory
     if kind == "regenerated":
-        data_root(path, split)
         for row_no, where, raw in regenerated_rows(path):
             value = _parse_line(raw, where, False)
             if value is not _BLANK:
                 yield row_no, where, value
         return
-    data_root(path, split)  # refuses a --data-split of a data file
     if kind == "parquet":
         yield from _parquet_rows(path)
         return
@@ -746,6 +746,26 @@ def chat_template_of(tokenizer: Any) -> str | None:
 _Sample = tuple[int, np.ndarray, np.ndarray]  # (turn, input_ids, loss_mask); turn -1: the whole row
 
 
+def _pretokenized_turns(
+    ids: np.ndarray, mask: np.ndarray, fmt: ChatFormat | MistralCommonFormat | None
+) -> list[_Sample]:
+    """A pre-tokenized row's samples under ``--turns`` and ``--expand-turns``: its turns are the runs of 1 in
+    its loss mask (an answer regenerate wrote is one run, and the template text between two answers is not)."""
+    if fmt is None or (fmt.turns == "all" and not fmt.expand_turns):
+        return [(-1, ids, mask)]
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    runs = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+    def only(start: int, end: int) -> np.ndarray:
+        kept = np.zeros(len(ids), dtype=np.uint8)
+        kept[start:end] = 1
+        return kept
+
+    if fmt.expand_turns:
+        return [(k, ids[:end], only(start, end)[:end]) for k, (start, end) in enumerate(runs)]
+    return [(-1, ids, only(*runs[-1]) if runs else mask)]
+
+
 def _encode(row: Any, tokenizer: Any, fmt: ChatFormat | MistralCommonFormat | None, where: str) -> list[_Sample] | None:
     """Full-length samples of a row (one, or one per assistant turn), or None when it has no assistant message."""
     if not isinstance(row, dict):
@@ -753,12 +773,8 @@ def _encode(row: Any, tokenizer: Any, fmt: ChatFormat | MistralCommonFormat | No
     if "input_ids" in row:
         # The ids win over any chat text beside them: they are exactly what the model saw and wrote (rows of
         # speccache regenerate carry both), and its text re-tokenized may differ.
-        if fmt is not None and (fmt.turns != "all" or fmt.expand_turns):
-            raise DataError(
-                f"{where}: a pre-tokenized row ('input_ids' with 'loss_mask') carries its own loss mask, which "
-                "--turns last and --expand-turns cannot divide into turns; drop those flags for such data"
-            )
-        return [(-1, *_pretokenized(row, tokenizer, where))]
+        ids, mask = _pretokenized(row, tokenizer, where)
+        return _pretokenized_turns(ids, mask, fmt)
     messages, tools = chat_messages(row, where)
     if not any(m["role"] == "assistant" for m in messages):
         return None

@@ -627,16 +627,18 @@ def split_generated_reasoning(fmt: ChatFormat, prompt: str, text: str) -> tuple[
     """``(reasoning, content)`` of an answer ``text`` the model wrote after ``prompt``.
 
     A template that renders reasoning itself (it reads ``reasoning_content`` or writes ``</think>``) gets the
-    ``<think>...</think>`` block split off, as Qwen3's does for its own history; a prompt that opens the block
-    (the R1 distills' ``<think>\n``) counts as its start. Otherwise the answer is all content.
+    ``<think>...</think>`` block split off, as Qwen3's does for its own history (an empty block is dropped); a
+    prompt that opens the block (the R1 distills' ``<think>\n``) counts as its start. Otherwise the answer is all
+    content.
     """
     if "reasoning_content" not in fmt.template and "</think>" not in fmt.template:
         return None, text
     opened = "<think>" if prompt.rstrip().endswith("<think>") else ""
-    reasoning, content = _split_reasoning(opened + text)
-    if reasoning is None:
+    found = _THINK.match(opened + text)
+    if found is None:
         return None, text
-    return reasoning.strip("\n"), content.lstrip("\n")
+    # an empty block (Qwen3 with thinking off) leaves no reasoning, and no tags in the content either
+    return found.group(1).strip("\n") or None, found.group(2).lstrip("\n")
 
 
 def _end_of_turn(scaffolding: str, end_tokens: tuple[str, ...]) -> int:

@@ -24,6 +24,7 @@ import itertools
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,6 +128,10 @@ class RegenerateConfig:
             raise ValueError(f"--top-p must lie in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"--top-k must be >= 0 (0: no top-k), got {self.top_k}")
+        if self.device is not None and not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
+            raise ValueError(f"--device {self.device!r} is unknown; choose cpu or cuda")
+        if self.device is not None and self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {self.device}: no CUDA device is visible to this process; use --device cpu")
 
 
 @dataclass
@@ -240,13 +245,15 @@ def generate_batch(
 class _Row:
     """One data row being regenerated: the messages so far, the exact ids and mask, what is left to answer."""
 
-    def __init__(self, number: int, where: str, row: dict, fmt: ChatFormat, tokenizer: Any, seed: int) -> None:
+    def __init__(
+        self, number: int, source_row: int, where: str, row: dict, fmt: ChatFormat, tokenizer: Any, seed: int
+    ) -> None:
         if "messages" not in row and "conversations" not in row:
             raise DataError(
                 f"{where}: regenerate needs chat rows ('messages' or 'conversations'); a pre-tokenized row "
                 "has no turns to answer: give the chat rows it was made from"
             )
-        self.number, self.where, self.source = number, where, row
+        self.number, self.source_row, self.where = number, source_row, where
         self.pending, self.tools = chat_messages(row, where)
         self.tools = fmt.tools if self.tools is None else self.tools
         self.fmt, self.tokenizer = fmt, tokenizer
@@ -257,12 +264,8 @@ class _Row:
         self.truncated_turn: int | None = None
         self.generator = torch.Generator().manual_seed(row_seed(seed, number))
         self.prompt_text = ""
+        self.done = False  # nothing is left to generate
         self._advance()
-
-    @property
-    def done(self) -> bool:
-        """Whether nothing is left to generate."""
-        return self.prompt_text == ""
 
     def _advance(self) -> None:
         """Keep the input's turns up to its next assistant turn, and prompt for that turn (or finish)."""
@@ -271,7 +274,7 @@ class _Row:
         if self.pending:
             self.pending.pop(0)  # replaced by the model's answer
         elif not self.messages or self.messages[-1]["role"] == "assistant":
-            self.prompt_text = ""
+            self.done = True
             return
         if self.turns == 0:
             text, _ = self.fmt.render(self.messages, self.where, self.tools, generation_prompt=True)
@@ -297,14 +300,14 @@ class _Row:
             self._advance()
         else:
             self.truncated_turn = self.turns - 1
-            self.prompt_text = ""
+            self.done = True
 
     def to_json(self) -> dict[str, Any]:
         """The output row (docs/data.md, "Regenerating answers")."""
         row: dict[str, Any] = {"messages": self.messages}
         if self.tools is not None:
             row["tools"] = self.tools
-        row |= {"input_ids": self.ids, "loss_mask": self.mask, "source_row": self.number}
+        row |= {"input_ids": self.ids, "loss_mask": self.mask, "source_row": self.source_row}
         row["truncated"] = self.truncated_turn is not None
         if self.truncated_turn is not None:
             row["truncated_turn"] = self.truncated_turn
@@ -380,12 +383,12 @@ def _check_resume(out: str, record: dict[str, Any], settings: dict[str, Any]) ->
             )
 
 
-def _rows(config: RegenerateConfig) -> Iterator[tuple[int, str, dict]]:
-    """``(ordinal, where, row)`` of the input, at most ``--limit`` rows."""
+def _rows(config: RegenerateConfig) -> Iterator[tuple[int, int, str, dict]]:
+    """``(ordinal, row number, where, row)`` of the input, at most ``--limit`` rows."""
     for ordinal, (number, row) in enumerate(iter_rows(config.data, config.data_split)):
         if config.limit is not None and ordinal >= config.limit:
             return
-        yield ordinal, f"{config.data}[row {number}]", row
+        yield ordinal, number, f"{config.data}[row {number}]", row
 
 
 def _write_record(out: str, record: dict[str, Any]) -> None:
@@ -450,21 +453,26 @@ def _run(config: RegenerateConfig, fmt: ChatFormat, tokenizer: Any, out: str, re
     from tqdm import tqdm
 
     done = len(record["parts"])
-    device = target_device(config.device)
-    model = load_target(config.model, MODEL_DTYPES[config.model_dtype], device).model
+    rows = itertools.islice(_rows(config), done * config.part_size, None)
+
+    def next_part() -> list[_Row]:
+        return [_Row(*r, fmt, tokenizer, config.seed) for r in itertools.islice(rows, config.part_size)]
+
+    states = next_part()  # a bad row of the first part fails before the model loads
+    model = load_target(config.model, MODEL_DTYPES[config.model_dtype], target_device(config.device)).model
     stop_ids = _stop_ids(model, tokenizer)
+    if record.setdefault("stop_ids", sorted(stop_ids)) != sorted(stop_ids):
+        raise ConfigMismatchError(
+            f"--resume: the target's end-of-answer ids are {sorted(stop_ids)} (generation_config.json, tokenizer) "
+            f"but the run in {out} was started with {record['stop_ids']}; resume with the run's settings, "
+            "or regenerate into a new --out"
+        )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
     sampling = Sampling(config.temperature, config.top_p, config.top_k)
     bar = tqdm(total=config.limit, unit="row", desc="regenerate", disable=not config.progress, dynamic_ncols=True)
     bar.update(done * config.part_size)
-    record["stop_ids"] = sorted(stop_ids)
-    rows = itertools.islice(_rows(config), done * config.part_size, None)
     with bar:
-        while True:
-            part = list(itertools.islice(rows, config.part_size))
-            if not part:
-                break
-            states = [_Row(n, where, row, fmt, tokenizer, config.seed) for n, where, row in part]
+        while states:
             _part_rows(states, model, sampling, config, stop_ids, pad_id)
             lines = "".join(json.dumps(s.to_json(), ensure_ascii=False) + "\n" for s in states).encode("utf-8")
             name = part_name(len(record["parts"]))
@@ -482,6 +490,7 @@ def _run(config: RegenerateConfig, fmt: ChatFormat, tokenizer: Any, out: str, re
             record["counts"] = _counts(record)
             _write_record(out, record)
             bar.update(len(states))
+            states = next_part()
     record["complete"] = True
     record["counts"] = _counts(record)
     _write_record(out, record)
