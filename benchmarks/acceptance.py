@@ -18,7 +18,7 @@ stage whose command changed (choose another ``--work``). ``--quick`` proves the 
 (tiny sizes, short answers, one epoch; its own work directory).
 
 Usage: python benchmarks/acceptance.py [--sizes 250,500,1000] [--held-out 100] [--eval-prompts 40]
-    [--max-new-tokens 256] [--eval-new-tokens 64] [--epochs 3] [--ttt-steps 2] [--lr 2e-3] [--batch-size 4]
+    [--max-new-tokens 256] [--eval-new-tokens 64] [--epochs 6] [--ttt-steps 2] [--lr 2e-3] [--batch-size 4]
     [--warmup 0.05] [--step-decay 0.8] [--threads 1] [--engine hf]
     [--work bench-out/acceptance] [--out docs/acceptance.md] [--quick]
 """
@@ -187,7 +187,7 @@ def main() -> None:
     p.add_argument("--eval-prompts", type=int, default=40, help="held-out prompts decoded speculatively")
     p.add_argument("--max-new-tokens", type=int, default=256, help="regenerate: most tokens per answer")
     p.add_argument("--eval-new-tokens", type=int, default=64, help="evaluate: most new tokens per prompt")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--ttt-steps", type=int, default=2)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--batch-size", type=int, default=4)
