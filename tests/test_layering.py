@@ -33,6 +33,7 @@ RANKS = {
     "speccache.train": 4,
     "speccache.cli": 6,
     "speccache.offline_cache": 6,
+    "speccache.regenerate": 6,
     "speccache.demo": 7,
     "speccache.__main__": 7,
     "speccache": 8,
