@@ -32,6 +32,7 @@ from transformers import GPT2Config, LlamaConfig
 
 import speccache.errors as errors_module
 from speccache.data import chat_format
+from speccache.data.regenerated import REGENERATE_FORMAT, REGENERATE_NAME, check_regenerate_dir, read_progress
 from speccache.demo.real_target import build_real_model_dir, real_target_gguf
 from speccache.format import MANIFEST_NAME, KeySpec, Manifest, ShardFile, shard_path, write_safetensors
 from speccache.format.encoding import get_encoding
@@ -49,6 +50,7 @@ from speccache.offline_cache import (
 )
 from speccache.precompute.append import plan_append
 from speccache.precompute.audit import audit_cache
+from speccache.precompute.regenerate import RegenerateConfig, regenerate
 from speccache.precompute.run import check_out_outside_data
 from speccache.precompute.target import Checkpoint, check_shard_target, check_tp_plan
 from speccache.read import CacheDataset
@@ -544,6 +546,15 @@ TRIGGERS: dict[str, T] = {
     "a pre-tokenized row needs 'loss_mask'": lambda e: _row({"input_ids": [1, 2]}),
     "entries but 'input_ids' has": lambda e: _row({"input_ids": [1, 2], "loss_mask": [1]}),
     "chat rows need a tokenizer with a chat template": lambda e: _row_without_template(),
+    # regenerate
+    "cannot divide into turns": lambda e: __import__("speccache.data").data.tokenize_row({"input_ids": [1], "loss_mask": [1]}, _tokenizer(), 64, where="r:1", fmt=chat_format(_tokenizer(), turns="last")),
+    "holds files speccache regenerate did not write": lambda e: (_touch(e.tmp / "notes.txt"), check_regenerate_dir(str(e.tmp))),
+    "already holds a regenerate run; pass --resume": lambda e: (_touch(e.tmp / REGENERATE_NAME), regenerate(RegenerateConfig(str(e.tmp), str(e.tmp), str(e.tmp)))),
+    "is a file; choose a new directory to regenerate into": lambda e: regenerate(RegenerateConfig("m", "d", str(_touch(e.tmp / "f")))),
+    "not a readable regenerate record": lambda e: read_progress(str(_touch(e.tmp / REGENERATE_NAME, b"{").parent)),
+    "not a speccache regenerate record": lambda e: read_progress(str(_touch(e.tmp / REGENERATE_NAME, b"{}").parent)),
+    "an unfinished speccache regenerate run": lambda e: _load(_touch(e.tmp / REGENERATE_NAME, json.dumps({"format": REGENERATE_FORMAT, "parts": [], "complete": False}).encode()).parent),
+    "a part of the regenerate record, cannot be read": lambda e: _load(_touch(e.tmp / REGENERATE_NAME, json.dumps({"format": REGENERATE_FORMAT, "parts": [{"name": "part-00000.jsonl"}], "complete": True}).encode()).parent),
     # verify findings
     "missing shard": lambda e: (os.unlink(shard_path(p := e.cache(), 1)), verify_cache(p))[1],
     "unexpected shard: not part of this cache": lambda e: (shutil.copy(shard_path(p := e.cache(), 0), shard_path(p, 9)), verify_cache(p))[1],

@@ -226,10 +226,11 @@ def _method_commands() -> list[Callable[[Any], None]]:
     from speccache.compat.export import register_commands as register_export
     from speccache.precompute.audit import register_commands as register_audit
     from speccache.precompute.estimate import register_commands as register_estimate
+    from speccache.precompute.regenerate import register_commands as register_regenerate
     from speccache.precompute.run import register_commands
     from speccache.train.commands import register_commands as register_train
 
-    return [register_commands, register_estimate, register_audit, register_export, register_train]
+    return [register_commands, register_regenerate, register_estimate, register_audit, register_export, register_train]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 import xxhash
 
+from speccache.data.regenerated import is_regenerated, regenerated_rows
 from speccache.data.template import (
     REASONING_FIELDS,
     ChatFormat,
@@ -73,6 +74,7 @@ __all__ = [
     "SkippedRow",
     "TokenizedSample",
     "TokenizedSamples",
+    "chat_messages",
     "chat_template_of",
     "data_root",
     "file_content_hash",
@@ -96,7 +98,7 @@ _SHAREGPT_ROLES = {
     "tool": "tool",
 }
 _OPENAI_ROLES = {r: r for r in ("system", "user", "assistant", "tool", "ipython")}
-_ROW_KEYS = ("conversations", "messages", "input_ids")
+_CHAT_KEYS = ("conversations", "messages")
 _LINE_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 _DATASET_SUFFIXES = (".parquet",)
 _CHUNK = 4096
@@ -305,10 +307,13 @@ def is_hub_id(path: str) -> bool:
 
 
 def _data_kind(path: str) -> str:
-    """``lines``, ``json``, ``parquet``, ``dataset`` (a saved one, read through ``datasets``) or ``hub``."""
+    """``lines``, ``json``, ``parquet``, ``dataset`` (a saved one, read through ``datasets``), ``regenerated``
+    (a directory ``speccache regenerate`` wrote) or ``hub``."""
     if is_hub_id(path):
         return "hub"
     if os.path.isdir(path):
+        if is_regenerated(path):
+            return "regenerated"
         if os.path.exists(os.path.join(path, "dataset_info.json")) or os.path.exists(
             os.path.join(path, "dataset_dict.json")
         ):
@@ -527,6 +532,13 @@ def _raw_rows(path: str, split: str | None = None) -> Iterator[tuple[int, str, A
     if kind in ("dataset", "hub"):
         yield from _dataset_rows(path, split)
         return
+    if kind == "regenerated":
+        data_root(path, split)
+        for row_no, where, raw in regenerated_rows(path):
+            value = _parse_line(raw, where, False)
+            if value is not _BLANK:
+                yield row_no, where, value
+        return
     data_root(path, split)  # refuses a --data-split of a data file
     if kind == "parquet":
         yield from _parquet_rows(path)
@@ -550,28 +562,28 @@ def _raw_rows(path: str, split: str | None = None) -> Iterator[tuple[int, str, A
             yield index, f"{path}[{index}]", row
         return
     for line_no, raw in enumerate(_lines(path), start=1):
-        where = f"{path}:{line_no}"
-        try:
-            text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
-        except UnicodeDecodeError as e:
-            yield (
-                line_no - 1,
-                where,
-                _row_error(f"{where}: not valid UTF-8 ({e.reason}); re-encode the line as UTF-8"),
-            )
-            continue
-        if not text.strip():
-            continue
-        try:
-            yield line_no - 1, where, json.loads(text)
-        except json.JSONDecodeError as e:
-            yield (
-                line_no - 1,
-                where,
-                _row_error(
-                    f"{where}: invalid JSON ({e.msg}, column {e.colno}); fix or remove the line, or skip bad rows"
-                ),
-            )
+        value = _parse_line(raw, f"{path}:{line_no}", line_no == 1)
+        if value is not _BLANK:
+            yield line_no - 1, f"{path}:{line_no}", value
+
+
+_BLANK = object()
+
+
+def _parse_line(raw: bytes, where: str, first: bool) -> Any:
+    """One JSON line's value, ``_BLANK`` for a blank line, or the ``RowFailure`` that names why it is not a row."""
+    try:
+        text = raw.decode("utf-8-sig" if first else "utf-8")
+    except UnicodeDecodeError as e:
+        return _row_error(f"{where}: not valid UTF-8 ({e.reason}); re-encode the line as UTF-8")
+    if not text.strip():
+        return _BLANK
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        return _row_error(
+            f"{where}: invalid JSON ({e.msg}, column {e.colno}); fix or remove the line, or skip bad rows"
+        )
 
 
 def _not_an_object(where: str, value: Any) -> RowFailure:
@@ -738,20 +750,16 @@ def _encode(row: Any, tokenizer: Any, fmt: ChatFormat | MistralCommonFormat | No
     """Full-length samples of a row (one, or one per assistant turn), or None when it has no assistant message."""
     if not isinstance(row, dict):
         raise _not_an_object(where, row)
-    kinds = [key for key in _ROW_KEYS if key in row]
-    if len(kinds) != 1:
-        found = ", ".join(repr(k) for k in kinds) if kinds else "none of them"
-        raise _row_error(
-            f"{where}: a row needs exactly one of 'conversations' (ShareGPT), 'messages' (OpenAI) or "
-            f"'input_ids' with 'loss_mask' (pre-tokenized); found {found}; fix the row"
-        )
-    if kinds[0] == "input_ids":
+    if "input_ids" in row:
+        # The ids win over any chat text beside them: they are exactly what the model saw and wrote (rows of
+        # speccache regenerate carry both), and its text re-tokenized may differ.
+        if fmt is not None and (fmt.turns != "all" or fmt.expand_turns):
+            raise DataError(
+                f"{where}: a pre-tokenized row ('input_ids' with 'loss_mask') carries its own loss mask, which "
+                "--turns last and --expand-turns cannot divide into turns; drop those flags for such data"
+            )
         return [(-1, *_pretokenized(row, tokenizer, where))]
-    if kinds[0] == "conversations":
-        messages = _message_list(row, "conversations", "from", "value", _SHAREGPT_ROLES, where)
-    else:
-        messages = _message_list(row, "messages", "role", "content", _OPENAI_ROLES, where)
-    tools = None if row.get("tools") is None else tool_list(row["tools"], f"{where}: 'tools'")
+    messages, tools = chat_messages(row, where)
     if not any(m["role"] == "assistant" for m in messages):
         return None
     if fmt is None:
@@ -760,6 +768,28 @@ def _encode(row: Any, tokenizer: Any, fmt: ChatFormat | MistralCommonFormat | No
             "pass --chat-template FILE, use a target whose tokenizer defines chat_template, or pre-tokenized rows"
         )
     return conversation_samples(tokenizer, fmt, messages, where, tools)
+
+
+def chat_messages(row: dict, where: str) -> tuple[list[dict], list[dict] | None]:
+    """The OpenAI-form messages and the tool schemas (None: the row has none) of a ShareGPT or OpenAI row.
+
+    Its ``input_ids``, if any, are not looked at (a pre-tokenized row's ids win only where rows are tokenized).
+
+    Raises:
+        RowFailure: the row is not one chat row (the message starts with ``where``).
+    """
+    kinds = [key for key in _CHAT_KEYS if key in row]
+    if len(kinds) != 1:
+        found = ", ".join(repr(k) for k in kinds) if kinds else "none of them"
+        raise _row_error(
+            f"{where}: a row needs exactly one of 'conversations' (ShareGPT), 'messages' (OpenAI) or "
+            f"'input_ids' with 'loss_mask' (pre-tokenized); found {found}; fix the row"
+        )
+    if kinds[0] == "conversations":
+        messages = _message_list(row, "conversations", "from", "value", _SHAREGPT_ROLES, where)
+    else:
+        messages = _message_list(row, "messages", "role", "content", _OPENAI_ROLES, where)
+    return messages, None if row.get("tools") is None else tool_list(row["tools"], f"{where}: 'tools'")
 
 
 def _default_format(tokenizer: Any) -> ChatFormat | MistralCommonFormat | None:

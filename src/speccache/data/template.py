@@ -54,6 +54,8 @@ __all__ = [
     "load_template_file",
     "load_tools_file",
     "mask_conversation",
+    "split_generated_reasoning",
+    "text_after_turn",
     "today",
     "tokenizer_template",
     "tool_list",
@@ -598,6 +600,45 @@ def _sentinel_spans(
         if start < end:
             spans.append((start, end))
     return spans
+
+
+def text_after_turn(fmt: ChatFormat, messages: list[dict], where: str, tools: Any = None) -> str:
+    """What the template writes after the end-of-turn token of ``messages``' last assistant message, through the
+    generation prompt of the turn after ``messages``: the later user and tool turns and the next assistant header.
+
+    So a generator that keeps the exact tokens the model wrote (its end-of-turn token included) can prompt the
+    next turn with those tokens followed by this text, whatever the template does to earlier turns.
+
+    Raises:
+        RowFailure: the template rejects the conversation, or does not write the last answer's text verbatim
+            (reason ``mask_unplaceable``).
+    """
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    shadow, marks, _ = _sentinel_messages(messages)
+    answer = next((s for s, mark in marks.items() if mark == (last, "A")), None)
+    text, _ = fmt.render(shadow, where, tools, generation_prompt=fmt.has_generation_prompt)
+    if answer is None or text.count(answer) != 1:
+        raise _unplaceable(where, "the template does not render the last answer once")
+    after = text.split(answer, 1)[1]
+    return after[_end_of_turn(after, fmt.end_tokens) :]
+
+
+def split_generated_reasoning(fmt: ChatFormat, prompt: str, text: str) -> tuple[str | None, str]:
+    """``(reasoning, content)`` of an answer ``text`` the model wrote after ``prompt``.
+
+    A template that renders reasoning itself (it reads ``reasoning_content`` or writes ``</think>``) gets the
+    ``<think>...</think>`` block split off, as Qwen3's does for its own history (an empty block is dropped); a
+    prompt that opens the block (the R1 distills' ``<think>\n``) counts as its start. Otherwise the answer is all
+    content.
+    """
+    if "reasoning_content" not in fmt.template and "</think>" not in fmt.template:
+        return None, text
+    opened = "<think>" if prompt.rstrip().endswith("<think>") else ""
+    found = _THINK.match(opened + text)
+    if found is None:
+        return None, text
+    # an empty block (Qwen3 with thinking off) leaves no reasoning, and no tags in the content either
+    return found.group(1).strip("\n") or None, found.group(2).lstrip("\n")
 
 
 def _end_of_turn(scaffolding: str, end_tokens: tuple[str, ...]) -> int:

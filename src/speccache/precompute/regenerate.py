@@ -1,0 +1,557 @@
+"""``speccache regenerate``: the target writes the assistant turns of a chat dataset (self-distillation data).
+
+Each row's assistant turns are replaced, turn by turn, by the target's answer to the regenerated history so
+far (user, system and tool turns kept); a conversation that ends in a user or tool turn gets one answer
+more. A row keeps the exact tokens: ``input_ids`` is the first turn's prompt as the chat template renders it,
+then per turn the ids the model generated (its end-of-turn token included) and the template's text up to the
+next generation prompt (:func:`speccache.data.template.text_after_turn`), and ``loss_mask`` is 1 exactly on
+the generated ids. ``messages`` holds the text (reasoning split into ``reasoning_content`` where the template
+separates it). Precompute reads the directory as data and caches the ids (docs/data.md).
+
+Generation is this module's own loop over the model with a KV cache, batched with left padding, each part's
+rows sorted by prompt length; every row samples with its own ``torch.Generator`` seeded from ``--seed`` and
+the row's number, so what a row gets does not depend on the rows batched with it. Rows are written in input
+order, in parts of ``part_size`` rows (``part-00000.jsonl``...), each atomically and followed by the progress
+record ``regenerate.json`` (:mod:`speccache.data.regenerated`), so a killed run resumes with ``--resume`` to
+the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+
+from speccache.data import chat_format, file_content_hash, iter_rows, load_chat_tokenizer, tokenizer_hash
+from speccache.data.chat import chat_messages
+from speccache.data.regenerated import (
+    REGENERATE_FORMAT,
+    REGENERATE_NAME,
+    check_regenerate_dir,
+    is_regenerated,
+    part_name,
+    read_progress,
+)
+from speccache.data.template import ChatFormat, split_generated_reasoning, text_after_turn
+from speccache.errors import CacheCorruptError, CacheExistsError, ConfigMismatchError, DataError
+from speccache.format import durable
+from speccache.format.durable import ensure_writable_dir, file_checksum, remove_temp_files, writes_to
+from speccache.format.lock import CacheLock
+from speccache.precompute.target import load_target, target_device
+
+__all__ = ["ENGINES", "MODEL_DTYPES", "RegenerateConfig", "RegenerateResult", "regenerate", "register_commands"]
+
+log = logging.getLogger("speccache.regenerate")
+
+ENGINES = ("hf",)
+MODEL_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
+RESUME_SETTINGS = (
+    "model",
+    "model_config_hash",
+    "tokenizer_hash",
+    "data",
+    "data_split",
+    "data_hash",
+    "chat_template_hash",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "limit",
+    "model_dtype",
+    "engine",
+    "part_size",
+)
+"""What a ``--resume`` compares with the run it continues (the batch size and device are not among them: a
+row's output does not depend on them, up to floating-point rounding)."""
+_FLAG = {"model_config_hash": "--model (its config.json)", "tokenizer_hash": "--model (its tokenizer)"}
+_FLAG |= {"data_hash": "--data (its content)", "chat_template_hash": "--chat-template"}
+
+
+@dataclass
+class RegenerateConfig:
+    """``speccache regenerate`` settings (the CLI's flags; see ``speccache regenerate --help``)."""
+
+    model: str
+    data: str
+    out: str
+    data_split: str | None = None
+    chat_template: str | None = None
+    max_new_tokens: int = 256
+    batch_size: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    limit: int | None = None
+    model_dtype: str = "float32"
+    device: str | None = None
+    resume: bool = False
+    engine: str = "hf"
+    part_size: int = 256
+    progress: bool = field(default=False, repr=False)
+
+    def validate(self) -> None:
+        """Check the settings without the model.
+
+        Raises:
+            ValueError: a setting out of range, naming the flag.
+        """
+        if self.engine == "vllm":
+            raise ValueError(
+                "--engine vllm is not implemented for regenerate yet; use --engine hf (the default), which runs "
+                "the target with transformers on --device"
+            )
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine {self.engine!r} is unknown; choose hf")
+        if self.model_dtype not in MODEL_DTYPES:
+            raise ValueError(f"--model-dtype {self.model_dtype!r} is unknown; choose one of {', '.join(MODEL_DTYPES)}")
+        for name in ("max_new_tokens", "batch_size", "part_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"--limit must be >= 1, got {self.limit}")
+        if not self.temperature >= 0:
+            raise ValueError(f"--temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"--top-k must be >= 0 (0: no top-k), got {self.top_k}")
+
+
+@dataclass
+class RegenerateResult:
+    """What a run wrote: the progress record's counts."""
+
+    out: str
+    rows: int
+    turns: int
+    generated_tokens: int
+    truncated_rows: int
+    parts: int
+
+
+# ---------------------------------------------------------------------------
+# sampling and the generation loop
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The seed of row ``row``'s generator: a hash of ``--seed`` and the row number."""
+    return xxhash.xxh64_intdigest(f"{seed}:{row}".encode()) & ((1 << 63) - 1)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen: greedy (``temperature`` 0) or sampled with top-k and top-p."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def choose(self, logits: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+        """One token per row of ``logits [B, V]``; a sampled row draws one uniform from its own generator."""
+        if self.temperature == 0:
+            return logits.argmax(-1)
+        scores = logits.float().cpu() / self.temperature
+        if self.top_k > 0:
+            kth = torch.topk(scores, min(self.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if self.top_p < 1:
+            ordered, order = probs.sort(dim=-1, descending=True)
+            # keep the smallest prefix whose mass reaches top_p (its first token always)
+            drop = ordered.cumsum(-1) - ordered >= self.top_p
+            probs = probs.scatter(-1, order, ordered.masked_fill(drop, 0.0))
+        cdf = probs.double().cumsum(-1)
+        draws = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+        chosen = torch.searchsorted(cdf, (draws * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+        return chosen.clamp(max=probs.shape[-1] - 1).to(logits.device)
+
+
+@torch.inference_mode()
+def generate_batch(
+    model: Any,
+    prompts: list[list[int]],
+    generators: list[torch.Generator],
+    sampling: Sampling,
+    max_new_tokens: int,
+    stop_ids: frozenset[int],
+    pad_id: int,
+) -> list[tuple[list[int], bool]]:
+    """Generate for left-padded ``prompts`` with a KV cache; per prompt ``(new ids, ended)``.
+
+    ``ended``: the model emitted a stop token (the last id); otherwise the answer was cut at ``max_new_tokens``.
+    """
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt) :] = torch.tensor(prompt)
+        attention[i, width - len(prompt) :] = 1
+    ids, attention = ids.to(device), attention.to(device)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    logits = model(
+        input_ids=ids, attention_mask=attention, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
+    ).logits
+    out: list[list[int]] = [[] for _ in prompts]
+    open_rows = list(range(len(prompts)))  # the prompts still answering, in the order of the batch's rows
+    stops = torch.tensor(sorted(stop_ids), device=device)
+    position = positions[:, -1:]
+    for step in range(max_new_tokens):
+        # only open rows draw: a row's generator carries over to its next turn, whoever it was batched with
+        chosen = sampling.choose(logits[:, -1], [generators[i] for i in open_rows])
+        ended = torch.isin(chosen, stops).tolist()
+        for i, token in zip(open_rows, chosen.tolist()):
+            out[i].append(token)
+        if all(ended) or step == max_new_tokens - 1:
+            break
+        if any(ended):
+            # rows that ended leave the batch (their cache rows too), so the forwards shrink as answers end
+            keep = torch.tensor([k for k, stop in enumerate(ended) if not stop], device=device)
+            cache.batch_select_indices(keep)
+            attention, position, chosen = attention[keep], position[keep], chosen[keep]
+            open_rows = [i for i, stop in zip(open_rows, ended) if not stop]
+        position = position + 1
+        attention = torch.cat([attention, attention.new_ones((len(open_rows), 1))], dim=-1)
+        logits = model(
+            input_ids=chosen.unsqueeze(-1), attention_mask=attention, position_ids=position, cache=cache, use_cache=True
+        ).logits
+    return [(o, bool(o) and o[-1] in stop_ids) for o in out]
+
+
+# ---------------------------------------------------------------------------
+# rows
+
+
+class _Row:
+    """One data row being regenerated: the messages so far, the exact ids and mask, what is left to answer."""
+
+    def __init__(self, number: int, where: str, row: dict, fmt: ChatFormat, tokenizer: Any, seed: int) -> None:
+        if "messages" not in row and "conversations" not in row:
+            raise DataError(
+                f"{where}: regenerate needs chat rows ('messages' or 'conversations'); a pre-tokenized row "
+                "has no turns to answer: give the chat rows it was made from"
+            )
+        self.number, self.where, self.source = number, where, row
+        self.pending, self.tools = chat_messages(row, where)
+        self.tools = fmt.tools if self.tools is None else self.tools
+        self.fmt, self.tokenizer = fmt, tokenizer
+        self.messages: list[dict] = []
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.turns = 0
+        self.truncated_turn: int | None = None
+        self.generator = torch.Generator().manual_seed(row_seed(seed, number))
+        self.prompt_text = ""
+        self._advance()
+
+    @property
+    def done(self) -> bool:
+        """Whether nothing is left to generate."""
+        return self.prompt_text == ""
+
+    def _advance(self) -> None:
+        """Keep the input's turns up to its next assistant turn, and prompt for that turn (or finish)."""
+        while self.pending and self.pending[0]["role"] != "assistant":
+            self.messages.append(self.pending.pop(0))
+        if self.pending:
+            self.pending.pop(0)  # replaced by the model's answer
+        elif not self.messages or self.messages[-1]["role"] == "assistant":
+            self.prompt_text = ""
+            return
+        if self.turns == 0:
+            text, _ = self.fmt.render(self.messages, self.where, self.tools, generation_prompt=True)
+        else:
+            text = text_after_turn(self.fmt, self.messages, self.where, self.tools)
+        self.prompt_text = text
+        prompt = self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        self.ids += prompt
+        self.mask += [0] * len(prompt)
+
+    def answer(self, new_ids: list[int], ended: bool) -> None:
+        """Take the model's answer to the current prompt; the next turn's prompt follows unless it was cut."""
+        self.ids += new_ids
+        self.mask += [1] * len(new_ids)
+        text = self.tokenizer.decode(new_ids[:-1] if ended else new_ids, skip_special_tokens=False)
+        reasoning, content = split_generated_reasoning(self.fmt, self.prompt_text, text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        self.messages.append(message)
+        self.turns += 1
+        if ended:
+            self._advance()
+        else:
+            self.truncated_turn = self.turns - 1
+            self.prompt_text = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """The output row (docs/data.md, "Regenerating answers")."""
+        row: dict[str, Any] = {"messages": self.messages}
+        if self.tools is not None:
+            row["tools"] = self.tools
+        row |= {"input_ids": self.ids, "loss_mask": self.mask, "source_row": self.number}
+        row["truncated"] = self.truncated_turn is not None
+        if self.truncated_turn is not None:
+            row["truncated_turn"] = self.truncated_turn
+            row["not_generated"] = len(self.pending)
+        return row
+
+
+def _part_rows(
+    rows: list[_Row], model: Any, sampling: Sampling, config: RegenerateConfig, stop_ids: frozenset[int], pad_id: int
+) -> None:
+    """Generate every turn of ``rows``: each round answers every row's next turn, shortest prompts batched together."""
+    while True:
+        todo = sorted((r for r in rows if not r.done), key=lambda r: (len(r.ids), r.number))
+        if not todo:
+            return
+        for start in range(0, len(todo), config.batch_size):
+            batch = todo[start : start + config.batch_size]
+            answers = generate_batch(
+                model,
+                [r.ids for r in batch],
+                [r.generator for r in batch],
+                sampling,
+                config.max_new_tokens,
+                stop_ids,
+                pad_id,
+            )
+            for r, (new_ids, ended) in zip(batch, answers):
+                r.answer(new_ids, ended)
+
+
+# ---------------------------------------------------------------------------
+# the run
+
+
+def _settings(config: RegenerateConfig, fmt: ChatFormat, tokenizer: Any) -> dict[str, Any]:
+    config_json = os.path.join(config.model, "config.json")
+    return {
+        "model": os.path.abspath(config.model) if os.path.exists(config.model) else config.model,
+        "model_config_hash": file_checksum(config_json) if os.path.isfile(config_json) else None,
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+        "data": os.path.abspath(config.data) if os.path.exists(config.data) else config.data,
+        "data_split": config.data_split,
+        "data_hash": file_content_hash(config.data, config.data_split),
+        "chat_template_hash": xxhash.xxh3_128_hexdigest(fmt.template.encode("utf-8")),
+        "date": fmt.date,
+        "max_new_tokens": config.max_new_tokens,
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "top_k": config.top_k,
+        "seed": config.seed,
+        "limit": config.limit,
+        "model_dtype": config.model_dtype,
+        "engine": config.engine,
+        "part_size": config.part_size,
+    }
+
+
+def _check_resume(out: str, record: dict[str, Any], settings: dict[str, Any]) -> None:
+    """Refuse a ``--resume`` with other settings, or a part that differs from its recorded checksum."""
+    for name in RESUME_SETTINGS:
+        if record["settings"].get(name) != settings[name]:
+            flag = _FLAG.get(name, f"--{name.replace('_', '-')}")
+            raise ConfigMismatchError(
+                f"--resume: {flag} is {settings[name]!r} but the run in {out} was started with "
+                f"{record['settings'].get(name)!r}; resume with the run's settings, or regenerate into a new --out"
+            )
+    for part in record["parts"]:
+        path = os.path.join(out, part["name"])
+        if not os.path.isfile(path) or file_checksum(path) != part["xxh3_128"]:
+            raise CacheCorruptError(
+                f"{path}: the part differs from the checksum {REGENERATE_NAME} records (changed or removed "
+                "after it was written); restore it, or regenerate into a new --out"
+            )
+
+
+def _rows(config: RegenerateConfig) -> Iterator[tuple[int, str, dict]]:
+    """``(ordinal, where, row)`` of the input, at most ``--limit`` rows."""
+    for ordinal, (number, row) in enumerate(iter_rows(config.data, config.data_split)):
+        if config.limit is not None and ordinal >= config.limit:
+            return
+        yield ordinal, f"{config.data}[row {number}]", row
+
+
+def _write_record(out: str, record: dict[str, Any]) -> None:
+    data = (json.dumps(record, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    durable.atomic_write(os.path.join(out, REGENERATE_NAME), functools.partial(_write_file, data=data))
+
+
+def _write_file(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def regenerate(config: RegenerateConfig) -> RegenerateResult:
+    """Regenerate the assistant turns of ``config.data`` with ``config.model`` into ``config.out``.
+
+    Raises:
+        CacheExistsError: ``out`` holds another regenerate run (without ``resume``) or files regenerate did not write.
+        ConfigMismatchError: ``resume`` with settings that differ from the run's (the setting is named).
+        CacheCorruptError: ``resume`` finds a written part changed.
+        DataError: the data cannot be read, or a row is not a chat row the template renders.
+        OutputError: ``out`` cannot be written.
+        ValueError: a bad setting.
+    """
+    config.validate()
+    out = config.out
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CacheExistsError(f"--out {out} is a file; choose a new directory to regenerate into")
+    check_regenerate_dir(out)
+    if os.path.isdir(out) and is_regenerated(out) and not config.resume:
+        raise CacheExistsError(
+            f"--out {out} already holds a regenerate run; pass --resume to continue it, or choose a new directory"
+        )
+    ensure_writable_dir(out)
+    tokenizer = load_chat_tokenizer(config.model, config.chat_template)
+    fmt = chat_format(tokenizer, config.chat_template)
+    if not isinstance(fmt, ChatFormat):
+        raise DataError(
+            f"--model {config.model}: regenerate needs a Jinja chat template, and the tokenizer has none; "
+            "pass --chat-template FILE"
+        )
+    with CacheLock(out), writes_to(out):
+        remove_temp_files(out)
+        settings = _settings(config, fmt, tokenizer)
+        record: dict[str, Any] = {"format": REGENERATE_FORMAT, "version": 1, "complete": False, "parts": []}
+        if is_regenerated(out):
+            record = read_progress(out)
+            _check_resume(out, record, settings)
+            # the date the template saw is the run's, as precompute pins its manifest's on --resume
+            fmt = ChatFormat.for_tokenizer(tokenizer, fmt.template, date=record["settings"]["date"])
+            settings["date"] = fmt.date
+        record["settings"] = settings
+        record["run"] = {"batch_size": config.batch_size, "device": config.device}
+        if not record["complete"]:
+            _run(config, fmt, tokenizer, out, record)
+    counts = record["counts"]
+    return RegenerateResult(
+        out, counts["rows"], counts["turns"], counts["generated_tokens"], counts["truncated_rows"], len(record["parts"])
+    )
+
+
+def _run(config: RegenerateConfig, fmt: ChatFormat, tokenizer: Any, out: str, record: dict[str, Any]) -> None:
+    from tqdm import tqdm
+
+    done = len(record["parts"])
+    device = target_device(config.device)
+    model = load_target(config.model, MODEL_DTYPES[config.model_dtype], device).model
+    stop_ids = _stop_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
+    sampling = Sampling(config.temperature, config.top_p, config.top_k)
+    bar = tqdm(total=config.limit, unit="row", desc="regenerate", disable=not config.progress, dynamic_ncols=True)
+    bar.update(done * config.part_size)
+    if record.setdefault("stop_ids", sorted(stop_ids)) != sorted(stop_ids):
+        raise ConfigMismatchError(
+            f"--resume: the target's end-of-answer ids are {sorted(stop_ids)} (generation_config.json, tokenizer) "
+            f"but the run in {out} was started with {record['stop_ids']}; resume with the run's settings, "
+            "or regenerate into a new --out"
+        )
+    rows = itertools.islice(_rows(config), done * config.part_size, None)
+    with bar:
+        while True:
+            part = list(itertools.islice(rows, config.part_size))
+            if not part:
+                break
+            states = [_Row(n, where, row, fmt, tokenizer, config.seed) for n, where, row in part]
+            _part_rows(states, model, sampling, config, stop_ids, pad_id)
+            lines = "".join(json.dumps(s.to_json(), ensure_ascii=False) + "\n" for s in states).encode("utf-8")
+            name = part_name(len(record["parts"]))
+            durable.atomic_write(os.path.join(out, name), functools.partial(_write_file, data=lines))
+            record["parts"].append(
+                {
+                    "name": name,
+                    "rows": len(states),
+                    "xxh3_128": xxhash.xxh3_128_hexdigest(lines),
+                    "turns": sum(s.turns for s in states),
+                    "generated_tokens": sum(sum(s.mask) for s in states),
+                    "truncated_rows": sum(s.truncated_turn is not None for s in states),
+                }
+            )
+            record["counts"] = _counts(record)
+            _write_record(out, record)
+            bar.update(len(states))
+    record["complete"] = True
+    record["counts"] = _counts(record)
+    _write_record(out, record)
+
+
+def _counts(record: dict[str, Any]) -> dict[str, int]:
+    keys = ("rows", "turns", "generated_tokens", "truncated_rows")
+    return {k: sum(p[k] for p in record["parts"]) for k in keys}
+
+
+def _stop_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """The tokens that end an answer: the generation config's eos ids and the tokenizer's eos."""
+    ids: set[int] = set()
+    for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        ids |= set(value) if isinstance(value, list) else {value} if value is not None else set()
+    if not ids:
+        raise DataError(
+            f"--model {model.name_or_path}: the target has no end-of-sequence token (neither its "
+            "generation_config nor its tokenizer names one), so regenerate cannot tell where an answer ends; "
+            "set eos_token_id in its generation_config.json"
+        )
+    return frozenset(ids)
+
+
+# ---------------------------------------------------------------------------
+# the command line
+
+
+def add_regenerate_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``speccache regenerate``."""
+    p.add_argument("--model", required=True, help="Hugging Face model directory of the target")
+    p.add_argument("--data", required=True, help="chat data, in any form precompute reads")
+    p.add_argument("--out", required=True, help="the directory to write (parts and regenerate.json)")
+    p.add_argument("--data-split", default=None, help="the split of a saved DatasetDict")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file to use instead of the tokenizer's")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per answer (default 256)")
+    p.add_argument("--batch-size", type=int, default=16, help="rows per generation batch (default 16)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampled")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: off)")
+    p.add_argument("--seed", type=int, default=0, help="the seed each row's generator is derived from (default 0)")
+    p.add_argument("--limit", type=int, default=None, help="regenerate only the first N rows")
+    p.add_argument("--model-dtype", default="float32", help="float32 (default) or bfloat16")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--resume", action="store_true", help="continue a killed run in --out (same settings)")
+    p.add_argument("--engine", default="hf", help="hf (default: transformers); vllm is not implemented yet")
+    p.add_argument("--part-size", type=int, default=256, help="rows per part file (default 256)")
+
+
+def cmd_regenerate(args: argparse.Namespace) -> int:
+    """Run ``speccache regenerate``."""
+    import sys
+
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
+    config = RegenerateConfig(**options, progress=sys.stderr.isatty())
+    result = regenerate(config)
+    print(
+        f"{result.out}: {result.rows} rows, {result.turns} answers, {result.generated_tokens} generated tokens, "
+        f"{result.truncated_rows} rows cut at --max-new-tokens, in {result.parts} parts"
+    )
+    return 0
+
+
+def register_commands(sub: Any) -> None:
+    """Add ``regenerate`` to the CLI."""
+    p = sub.add_parser("regenerate", help="the target writes the assistant turns of chat data (self-distillation)")
+    add_regenerate_arguments(p)
+    p.set_defaults(func=cmd_regenerate)
