@@ -381,6 +381,8 @@ TRIGGERS: dict[str, T] = {
     "already holds a draft": _train_into_a_draft,
     "must be at least 1": _train(ttt_steps=0),
     "must be a positive learning rate": _train(lr=0.0),
+    "must be a positive weight ratio": _train(step_decay=0.0),
+    "must be a share of the steps": _train(warmup=1.0),
     "is not a draft that speccache train wrote": _foreign_draft,
     # --engine
     "--engine": lambda e: _engine_flags(engine="sglang"),

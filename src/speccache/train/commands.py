@@ -24,6 +24,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         max_steps=args.max_steps,
         seed=args.seed,
+        warmup=args.warmup,
+        step_decay=args.step_decay,
+        intermediate_size=args.intermediate_size,
         log=lambda line: print(line, flush=True),
     )
     first = sum(result.losses[:10]) / max(1, len(result.losses[:10]))
@@ -101,6 +104,16 @@ def register_commands(sub: Any) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--warmup", type=float, default=0.05, help="share of the steps the learning rate warms up over (then cosine)"
+    )
+    p.add_argument(
+        "--step-decay",
+        type=float,
+        default=1.0,
+        help="loss weight of each training-time-test step relative to the one before (default 1: the plain mean)",
+    )
+    p.add_argument("--intermediate-size", type=int, default=None, help="the draft's MLP width (default 2 * hidden)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest on a busy CPU)")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("evaluate", help="measure a draft's acceptance: teacher-forced on a cache, and real decoding")

@@ -4,27 +4,36 @@ The cache is read only through :func:`speccache.methods.eagle3.build_eagle3_data
 :class:`speccache.methods.eagle3.TargetHead`; :func:`speccache.methods.eagle3.draft_view` aligns each batch
 (slot ``j``: ``aux[j]``, ``input_ids[j + 1]``, row ``j + 1``'s distribution, ``position_mask[j + 1]``). Each
 training-time-test step ``a`` is graded on the slots ``j >= a`` of the mask against the same distribution,
-and the loss is the mean over the steps.
+and the loss is the steps' mean weighted by ``step_decay ** a`` (1: the plain mean).
+
+Batches hold samples of similar length (:class:`LengthGroupedSampler`), so little of a batch is padding. The
+learning rate warms up linearly over the first ``warmup`` share of the steps, then follows a cosine to
+zero at the last step; gradients are clipped to norm 1.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
+from torch.utils.data import Sampler
 
 from speccache.format import ShardFile
 from speccache.methods.eagle3 import SIDE_FILE, Eagle3CacheDataset, TargetHead, build_eagle3_dataloader, draft_view
+from speccache.read.source import reader_sampler
 from speccache.train.draft import DraftConfig, Eagle3Draft, check_new_draft_dir, save_draft
 
 __all__ = [
+    "LengthGroupedSampler",
     "TrainResult",
     "draft_for_cache",
     "draft_loss",
+    "lr_factor",
     "make_optimizer",
     "train",
     "train_steps",
@@ -35,6 +44,39 @@ def _shape(hidden: int) -> tuple[int, int]:
     """``(heads, head_dim)`` of the draft's attention: 64-wide heads when they divide ``hidden``, else 16-wide."""
     head_dim = 64 if hidden % 64 == 0 and hidden >= 128 else 16
     return hidden // head_dim, head_dim
+
+
+class LengthGroupedSampler(Sampler[int]):
+    """The reader's shuffled epoch (shard-local windows, a view's ``--weights``) in runs of ``batch_size`` samples
+    of similar length.
+
+    Each window of ``window`` batches' worth of the shuffled order is sorted by length and cut into batches, and
+    the batches are shuffled: a padded batch costs its longest sample times its size, and on chat data of mixed
+    lengths a plain shuffle pads most batches to nearly twice their tokens.
+    """
+
+    def __init__(self, base: Sampler[int], lengths: list[int], batch_size: int, seed: int = 0, window: int = 32):
+        self.base, self.lengths, self.batch_size, self.seed, self.window = base, lengths, batch_size, seed, window
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Shuffle for ``epoch`` (the same seed and epoch give the same order)."""
+        self.base.set_epoch(epoch)
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __iter__(self) -> Iterator[int]:
+        order = list(self.base)
+        span = self.window * self.batch_size
+        batches = []
+        for start in range(0, len(order), span):
+            run = sorted(order[start : start + span], key=lambda i: self.lengths[i])
+            batches += [run[i : i + self.batch_size] for i in range(0, len(run), self.batch_size)]
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        for b in torch.randperm(len(batches), generator=generator).tolist():
+            yield from batches[b]
 
 
 def draft_for_cache(cache_dir: str, intermediate_size: int | None = None) -> tuple[Eagle3Draft, TargetHead]:
@@ -63,11 +105,17 @@ def draft_for_cache(cache_dir: str, intermediate_size: int | None = None) -> tup
     return draft, TargetHead.from_cache(cache_dir)
 
 
-def draft_loss(draft: Eagle3Draft, batch: Mapping[str, torch.Tensor], head: TargetHead, steps: int) -> torch.Tensor:
+# Gradients are clipped to this norm: the first steps on a fresh fc layer can be large.
+MAX_GRAD_NORM = 1.0
+
+
+def draft_loss(
+    draft: Eagle3Draft, batch: Mapping[str, torch.Tensor], head: TargetHead, steps: int, step_decay: float = 1.0
+) -> torch.Tensor:
     """Soft cross-entropy of the draft's ``steps`` training-time-test steps against the target, on the aligned mask.
 
     Step ``a`` counts the slots ``j >= a`` whose ``mask`` is set; the result is the mean over the steps of each
-    step's mean over its counted slots.
+    step's mean over its counted slots, step ``a`` weighted by ``step_decay ** a``.
     """
     view = draft_view(batch, head)
     slots = torch.arange(view["mask"].shape[1], device=view["mask"].device)
@@ -76,7 +124,8 @@ def draft_loss(draft: Eagle3Draft, batch: Mapping[str, torch.Tensor], head: Targ
         mask = view["mask"] & (slots >= a)
         per_slot = -(view["target"].float() * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
         losses.append((per_slot * mask).sum() / mask.sum().clamp_min(1))
-    return torch.stack(losses).mean()
+    weights = step_decay ** torch.arange(len(losses), dtype=torch.float32)
+    return (torch.stack(losses) * weights).sum() / weights.sum()
 
 
 def train_steps(
@@ -86,15 +135,21 @@ def train_steps(
     optimizer: torch.optim.Optimizer,
     steps: int = 1,
     on_step: Callable[[int, float], None] | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    step_decay: float = 1.0,
 ) -> list[float]:
-    """One optimizer step per batch; returns the losses (``on_step(i, loss)`` after each)."""
+    """One optimizer step per batch (then one ``scheduler`` step); returns the losses (``on_step(i, loss)`` after
+    each)."""
     draft.train()
     losses = []
     for i, batch in enumerate(batches):
-        loss = draft_loss(draft, batch, head, steps)
+        loss = draft_loss(draft, batch, head, steps, step_decay)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), MAX_GRAD_NORM)
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(float(loss.detach()))
         if on_step is not None:
             on_step(i, losses[-1])
@@ -104,6 +159,15 @@ def train_steps(
 def make_optimizer(draft: Eagle3Draft, lr: float) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters (the embedding is frozen)."""
     return torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+
+
+def lr_factor(step: int, total: int, warmup: float) -> float:
+    """The learning rate's multiplier at optimizer step ``step`` of ``total``: a linear warm-up over the first
+    ``warmup`` share of the steps, then a cosine from 1 down to 0 after the last step."""
+    warm = math.ceil(warmup * total)
+    if step < warm:
+        return (step + 1) / warm
+    return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
 
 
 @dataclass
@@ -125,26 +189,44 @@ def train(
     batch_size: int = 8,
     max_steps: int | None = None,
     seed: int = 0,
+    warmup: float = 0.05,
+    step_decay: float = 1.0,
+    intermediate_size: int | None = None,
     log: Callable[[str], None] | None = None,
 ) -> TrainResult:
     """Train a fresh draft on ``cache_dir`` and save it to ``out`` (see :mod:`speccache.train.draft`).
 
+    ``warmup`` is the share of the steps the learning rate warms up over before its cosine decay, ``step_decay``
+    the weight ratio of consecutive training-time-test steps in the loss, ``intermediate_size`` the draft's MLP
+    width (default twice the hidden size).
+
     Raises:
         FileExistsError: ``out`` already holds a draft (checked before training).
-        ValueError: a non-positive ``epochs``, ``batch_size``, ``ttt_steps``, ``lr`` or ``max_steps``.
+        ValueError: a non-positive ``epochs``, ``batch_size``, ``ttt_steps``, ``lr``, ``max_steps``,
+            ``step_decay`` or ``intermediate_size``, or a ``warmup`` outside [0, 1).
     """
     counts = {"--epochs": epochs, "--batch-size": batch_size, "--ttt-steps": ttt_steps, "--max-steps": max_steps}
     for name, value in counts.items():
         if value is not None and value < 1:
             raise ValueError(f"{name} {value} must be at least 1")
+    if intermediate_size is not None and intermediate_size < 1:
+        raise ValueError(f"--intermediate-size {intermediate_size} must be at least 1")
     if not lr > 0:
         raise ValueError(f"--lr {lr} must be a positive learning rate")
+    if not step_decay > 0:
+        raise ValueError(f"--step-decay {step_decay} must be a positive weight ratio")
+    if not 0 <= warmup < 1:
+        raise ValueError(f"--warmup {warmup} must be a share of the steps in [0, 1)")
     check_new_draft_dir(out)
     torch.manual_seed(seed)
-    draft, head = draft_for_cache(cache_dir)
+    draft, head = draft_for_cache(cache_dir, intermediate_size)
     optimizer = make_optimizer(draft, lr)
-    loader = build_eagle3_dataloader(cache_dir, batch_size=batch_size, shuffle=True, seed=seed)
+    dataset = Eagle3CacheDataset(cache_dir, keys=["input_ids"])
+    base = reader_sampler(dataset, shuffle=True, distributed=False, seed=seed)
+    sampler = LengthGroupedSampler(base, dataset.sample_lengths(), batch_size, seed)
+    loader = build_eagle3_dataloader(cache_dir, batch_size=batch_size, shuffle=False, sampler=sampler)
     total = epochs * len(loader) if max_steps is None else min(max_steps, epochs * len(loader))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, warmup))
     losses: list[float] = []
     started = time.monotonic()
 
@@ -158,9 +240,19 @@ def train(
         left = total - len(losses)
         if left <= 0:
             break
-        losses += train_steps(draft, itertools.islice(loader, left), head, optimizer, ttt_steps, report)
+        batches = itertools.islice(loader, left)
+        losses += train_steps(draft, batches, head, optimizer, ttt_steps, report, scheduler, step_decay)
     seconds = time.monotonic() - started
-    trained = {"epochs": epochs, "lr": lr, "ttt_steps": ttt_steps, "batch_size": batch_size, "seed": seed}
+    trained = {
+        "epochs": epochs,
+        "lr": lr,
+        "ttt_steps": ttt_steps,
+        "batch_size": batch_size,
+        "seed": seed,
+        "warmup": warmup,
+        "step_decay": step_decay,
+        "schedule": "cosine",
+    }
     extra = {
         "cache": os.path.abspath(cache_dir),
         "target": Eagle3CacheDataset(cache_dir, keys=["input_ids"]).manifest.config.get("model"),
