@@ -182,16 +182,18 @@ def test_demo_target_path_is_expanded(tmp_path, monkeypatch):
 
 @pytest.mark.usefixtures("offline_single_thread")
 def test_demo_acceptance_part_reports_and_reuses_its_work(tiny_models, tmp_path, capsys):
-    """The demo's acceptance part on the tiny target (the demo runs it on SmolLM2): caches, a draft, real
-    speculative decoding, the summary against both baselines; a second run resumes the caches and keeps the draft."""
+    """The demo's acceptance part on the tiny target (the demo runs it on SmolLM2): regenerated answers, their
+    caches, a draft, real speculative decoding, the summary against both baselines; a second run resumes the
+    answers and caches and keeps the draft."""
     from speccache.demo.run import acceptance, acceptance_summary
 
     out = str(tmp_path / "real")
-    sizes = {"train_rows": 16, "eval_rows": 2, "draft_vocab_size": 300, "epochs": 1, "max_new_tokens": 8}
+    sizes = {"train_rows": 16, "eval_rows": 2, "answer_tokens": 16, "draft_vocab_size": 300, "epochs": 1,
+             "max_new_tokens": 8}  # fmt: skip
     report = acceptance(tiny_models("llama"), out, **sizes)
     first = capsys.readouterr().out
-    assert first.count("\n$ speccache precompute ") == 2 and "\n$ speccache train " in first
-    assert "\n$ speccache evaluate " in first
+    assert first.count("\n$ speccache regenerate ") == first.count("\n$ speccache precompute ") == 2
+    assert "\n$ speccache train " in first and "\n$ speccache evaluate " in first
     summary = acceptance_summary(report)
     assert "acceptance on 2 held-out prompts, k=3" in summary
     for label in ("EAGLE-3 draft", "n-gram table", "prompt lookup"):

@@ -4,10 +4,10 @@ draft's acceptance on a real one.
 1. The tiny target: ``speccache precompute`` (with ``--resume``, so a second ``make demo`` checks and keeps the
    existing cache), ``speccache verify``, ``speccache inspect``, then one training epoch's worth of reading
    through ``build_eagle3_dataloader`` with ``TargetHead``, and a summary.
-2. The real target (SmolLM2-135M-Instruct, :func:`speccache.demo.real_target.ensure_real_target`): caches of
-   training and held-out conversations (bf16 compute), a draft trained briefly, ``speccache evaluate`` with
-   real speculative decoding, and the draft's acceptance against the n-gram and prompt-lookup baselines. Every
-   step is resumed or reused by a second run.
+2. The real target (SmolLM2-135M-Instruct, :func:`speccache.demo.real_target.ensure_real_target`): its own
+   answers to training and held-out prompts (``speccache regenerate``), their caches (bf16 compute), a draft
+   trained briefly, ``speccache evaluate`` with real speculative decoding, and the draft's acceptance against
+   the n-gram and prompt-lookup baselines. Every step is resumed or reused by a second run.
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from speccache import cli
 from speccache.demo import demo_data_path, ensure_demo_target
-from speccache.format.durable import atomic_write
+from speccache.demo.prompts import write_prompts
 from speccache.methods.eagle3 import TargetHead, build_eagle3_dataloader
 
 
@@ -60,44 +59,39 @@ def read_one_epoch(cache_dir: str, batch_size: int) -> dict[str, float]:
     }
 
 
-def _write_rows(path: str, rows: Sequence[str]) -> None:
-    """Write the data file ``path`` unless it already holds exactly ``rows`` (so a rerun resumes on it)."""
-    text = "".join(rows)
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            if f.read() == text:
-                return
-    atomic_write(path, lambda tmp: open(tmp, "w", encoding="utf-8").write(text))
-
-
 def acceptance(
     model: str,
     out: str,
     *,
     train_rows: int = 48,
     eval_rows: int = 8,
+    answer_tokens: int = 96,
     draft_vocab_size: int = 8192,
     epochs: int = 5,
     max_new_tokens: int = 48,
     k: int = 3,
     threads: int = 1,
 ) -> dict[str, Any]:
-    """Cache conversations of ``model``, train a draft on them and measure its acceptance on held-out ones.
+    """Self-distil ``model``'s answers, train a draft on their cache and measure its acceptance on held-out ones.
 
-    The first ``train_rows`` bundled demo conversations are the training data, the last ``eval_rows`` the
-    held-out ones; everything goes into the directory ``out`` and is resumed or reused by a second call.
+    The first ``train_rows`` training and ``eval_rows`` held-out prompts of :mod:`speccache.demo.prompts` get
+    ``model``'s own answers (``speccache regenerate``, at most ``answer_tokens`` per turn), which are cached; a
+    draft is trained on the training cache and evaluated on the held-out one. Everything goes into the directory
+    ``out`` and is resumed or reused by a second call.
 
     Returns:
         ``speccache evaluate``'s report (teacher-forced acceptance and speculative decoding of every proposer).
     """
     os.makedirs(out, exist_ok=True)
-    with open(demo_data_path("sharegpt"), encoding="utf-8") as f:
-        rows = f.readlines()
     caches = {}
-    for name, part in (("train", rows[:train_rows]), ("heldout", rows[-eval_rows:])):
-        data, caches[name] = os.path.join(out, f"{name}.jsonl"), os.path.join(out, name)
-        _write_rows(data, part)
-        _run(["precompute", "--model", model, "--data", data, "--out", caches[name], "--model-dtype", "bf16",
+    for name, split, rows in (("train", "train", train_rows), ("heldout", "eval", eval_rows)):
+        prompts, answers = os.path.join(out, f"{name}-prompts.jsonl"), os.path.join(out, f"{name}-answers")
+        caches[name] = os.path.join(out, name)
+        write_prompts(prompts, split, rows)  # the same bytes on every run, so the resumes below accept them
+        print(f"\n# {rows} {split} prompts of speccache.demo.prompts -> {prompts}", flush=True)
+        _run(["regenerate", "--model", model, "--data", prompts, "--out", answers, "--max-new-tokens",
+              str(answer_tokens), "--batch-size", "8", "--model-dtype", "bfloat16", "--resume"])  # fmt: skip
+        _run(["precompute", "--model", model, "--data", answers, "--out", caches[name], "--model-dtype", "bf16",
               "--dtype", "bf16", "--draft-vocab-size", str(draft_vocab_size), "--batch-size", "8",
               "--max-length", "1024", "--resume"])  # fmt: skip
     draft = os.path.join(out, "draft")
