@@ -117,10 +117,7 @@ def acceptance_summary(report: dict[str, Any]) -> str:
         "mean accepted length (teacher-forced)"
     ]
     for name, label in (("draft", "EAGLE-3 draft"), ("ngram", "n-gram table"), ("prompt_lookup", "prompt lookup")):
-        if name in spec:
-            lines.append(
-                f"  {label:<14} tau {spec[name]['tau']:.3f}  mean accepted length {tf[name]['mean_accepted']:.3f}"
-            )
+        lines.append(f"  {label:<14} tau {spec[name]['tau']:.3f}  mean accepted length {tf[name]['mean_accepted']:.3f}")
     identical = all(run["identical_to_greedy"] for run in spec.values() if isinstance(run, dict))
     lines.append(f"greedy output identical: {'yes' if identical else 'NO'}")
     return "\n".join(lines)
