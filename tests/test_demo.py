@@ -1,4 +1,4 @@
-"""Tests of speccache.demo: deterministic tokenizer, bundled data, tiny target models."""
+"""Tests of speccache.demo: deterministic tokenizer, bundled data, tiny target models, the demo's acceptance part."""
 
 from __future__ import annotations
 
