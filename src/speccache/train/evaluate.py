@@ -109,27 +109,56 @@ class NgramTable:
 
 
 class DraftProposer:
-    """The EAGLE-3 draft as a proposer: slots ``0..n-2`` read the target's aux rows and the next token, then each
-    drafted token's slot reads the draft's own previous state (no KV cache: the layer reruns over the sequence)."""
+    """The EAGLE-3 draft as a proposer, with a KV cache of its one layer.
+
+    Slot ``j`` reads ``fc(aux[j])`` and the embedding of ``tokens[j + 1]`` for the verified tokens, and each
+    drafted token's slot reads the draft's own output state at the slot before, as in training-time test. Between
+    calls the cache keeps the verified slots only: a drafted token the target accepts is read again with the
+    target's state. A call reuses the longest cached prefix whose tokens and aux rows are unchanged (so a rejected
+    chain or a new prompt is undone by a crop), runs the new verified slots in one step and each drafted token in
+    a single-slot step.
+    """
 
     def __init__(self, draft: Eagle3Draft) -> None:
+        from transformers import DynamicCache
+
         self.draft = draft.eval()
+        self.cache = DynamicCache()
+        self._ids = torch.zeros(0, dtype=torch.long)  # the input ids of the cached slots
+        self._aux: torch.Tensor | None = None  # and their aux rows
+
+    def _cached_prefix(self, ids: torch.Tensor, aux: torch.Tensor) -> int:
+        """How many leading slots of ``ids``/``aux`` the cache holds as they are now."""
+        n = min(len(self._ids), len(ids))
+        if self._aux is None or n == 0:
+            return 0
+        same = (self._ids[:n] == ids[:n]) & (self._aux[:n] == aux[:n]).all(-1)
+        return int(same.long().cumprod(0).sum())
 
     @torch.no_grad()
     def propose(self, tokens: Sequence[int], aux: torch.Tensor, k: int) -> list[int]:
         """Up to ``k`` tokens (target ids)."""
         draft = self.draft
-        ids = torch.tensor(list(tokens[1:]), dtype=torch.long)[None]
-        states = draft.fc(aux.to(draft.fc.weight.dtype))[None]
+        ids = torch.tensor(list(tokens[1:]), dtype=torch.long)
+        aux = aux.to(draft.fc.weight.dtype)
+        # at least the last verified slot is run again: its output state is the first drafted token's
+        keep = min(self._cached_prefix(ids, aux), len(ids) - 1)
+        self.cache.crop(keep - self.cache.get_seq_length())
+        slots = torch.arange(keep, len(ids))
+        mask = slots[:, None] >= torch.arange(len(ids))[None, :]
+        state = draft.layer(draft.embed_tokens(ids[keep:])[None], draft.fc(aux[keep:])[None], slots, mask, self.cache)
+        state = state[:, -1:]
         out: list[int] = []
-        for _ in range(k):
-            length = ids.shape[1]
-            causal = torch.ones(length, length, dtype=torch.bool).tril()
-            result = draft.layer(draft.embed_tokens(ids), states, torch.arange(length), causal)
-            token = int(draft.draft_to_target(draft.logits(result[:, -1]).argmax(-1))[0])
+        for position in range(len(ids), len(ids) + k):
+            token = int(draft.draft_to_target(draft.logits(state[:, -1]).argmax(-1))[0])
             out.append(token)
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-            states = torch.cat([states, result[:, -1:]], dim=1)
+            if len(out) == k:
+                break
+            every = torch.ones(1, position + 1, dtype=torch.bool)
+            embeds = draft.embed_tokens(torch.tensor([[token]]))
+            state = draft.layer(embeds, state, torch.tensor([position]), every, self.cache)
+        self.cache.crop(len(ids) - self.cache.get_seq_length())
+        self._ids, self._aux = ids, aux
         return out
 
 
