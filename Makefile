@@ -78,6 +78,7 @@ bench: install
 	$(PY) benchmarks/run.py --out docs/benchmarks.md
 	$(PY) benchmarks/data.py --out docs/benchmarks.md
 	$(PY) benchmarks/batching.py --out docs/benchmarks.md
+	OMP_NUM_THREADS=1 $(PY) benchmarks/regenerate.py --out docs/benchmarks.md
 	$(PY) benchmarks/shard_memory.py --model-dir bench-out/shard-memory-model --tiny-dir bench-out/shard-memory-tiny --out docs/benchmarks.md
 
 # The acceptance run of issue 21 (benchmarks/acceptance.py): regenerate answers to the bundled prompts with
