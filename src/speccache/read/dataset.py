@@ -73,7 +73,7 @@ class _OpenShard:
     raw rows from the file needs."""
 
     __slots__ = (
-        "shard", "path", "keys", "infos", "bases", "mapped", "long", "row_offsets", "fd", "size", "advice", "ahead"
+        "shard", "path", "keys", "infos", "bases", "mapped", "row_offsets", "fd", "size", "advice", "ahead"
     )  # fmt: skip
 
     def __init__(
@@ -98,13 +98,6 @@ class _OpenShard:
         self.mapped = {k: bytes_view(shard.file.tensor(k)) for k in raw}
         """The bytes of each raw key in the shard's mapping."""
         self.row_offsets: list[int] = shard.row_offsets
-        most = max((b - a for a, b in zip(self.row_offsets, self.row_offsets[1:])), default=0)
-        self.long = {
-            k: shard.file.data_start + entries[k][2]
-            for k in raw
-            if (most if infos[k].ragged else 1) * infos[k].row_bytes >= _PREAD_BYTES
-        }
-        """File offsets of the raw keys with samples long enough for ``pread`` (which ``prefetch`` announces)."""
         self.fd: int = shard.file.handle.fileno()  # the file the mapping shows, kept open by the shard
         self.advice = _advice_bytes(os.fstat(self.fd).st_dev)
         """Bytes per ``WILLNEED`` (see :func:`_advice_bytes`)."""
@@ -329,28 +322,26 @@ class _ReadAhead:
     batches are collated, instead of waiting on each batch's reads in turn; and a batch
     that needs a range the thread will reach within :data:`_WAIT_BYTES` waits for it
     (:meth:`wait`) rather than seeking for it in the middle of the stream. Ranges that
-    touch are read as one run. Each run, and the one after it, is announced
-    (``WILLNEED``) before the thread waits for the first in one ``sendfile`` to
-    ``/dev/null``: the disk always has the next run's requests, whether or not this thread
-    gets the CPU or the GIL back soon on a busy machine, and nothing is copied, so the
-    thread's memory is its queue of runs, which the sampler's ``prefetch_ahead`` bounds.
-    The thread runs only while runs are queued, and only the process that made this
-    object uses it: a forked DataLoader worker inherits the object (its lock perhaps held)
-    but not the thread.
+    touch are read as one run, in one ``sendfile`` to ``/dev/null``: the kernel streams it
+    with its own read-ahead, without coming back for the GIL between samples, and copies
+    nothing, so the thread's memory is its queue of runs, which the sampler's
+    ``prefetch_ahead`` bounds. Nothing is announced with ``WILLNEED`` here: a deep queue
+    of streaming requests would hold up the small synchronous reads the main thread
+    still makes (the headers of shards it opens). The thread runs only while runs are
+    queued, and only the process that made this object uses it: a forked DataLoader
+    worker inherits the object (its lock perhaps held) but not the thread.
     """
 
     def __init__(self) -> None:
         self.pid = os.getpid()
         self._cond = threading.Condition()
-        self._queue: deque[tuple[_OpenShard, int, int, list[tuple[int, int]], int]] = deque()
-        """Runs to read: ``(source, offset, nbytes, keys of the ranges in it, sequence number)``."""
+        self._queue: deque[tuple[_OpenShard, int, int, list[tuple[int, int]]]] = deque()
+        """Runs to read: ``(source, offset, nbytes, keys of the ranges in it)``."""
         self._pending: dict[tuple[int, int], int] = {}
         """``(id(source), offset)`` of each queued range: the bytes queued up to the end of its run. The queue
         holds ``source``, so its id is nobody else's meanwhile."""
         self._queued = 0
         self._read = 0
-        self._runs = 0
-        """Runs queued so far (the next one's sequence number)."""
         self._running = False
 
     def submit(self, ranges: Iterable[tuple[_OpenShard, int, int]]) -> None:
@@ -377,15 +368,15 @@ class _ReadAhead:
         if run:
             self._queued += run[2]
             self._pending.update(dict.fromkeys(run[3], self._queued))
-            self._queue.append((*run, self._runs))  # type: ignore[arg-type]
-            self._runs += 1
+            self._queue.append(tuple(run))  # type: ignore[arg-type]
 
     def wait(self, source: _OpenShard, offset: int) -> None:
         """Return once the range of ``source`` at ``offset`` is read, or at once if it is not queued or the
         thread has more than :data:`_WAIT_BYTES` to read before it."""
-        if self.pid != os.getpid():
-            return
         key = (id(source), offset)
+        # Without the lock: only the caller's thread adds keys, so one missing now is not queued (or read already).
+        if key not in self._pending or self.pid != os.getpid():
+            return
         with self._cond:
             while (end := self._pending.get(key)) is not None and end - self._read <= _WAIT_BYTES:
                 self._cond.wait()
@@ -401,7 +392,6 @@ class _ReadAhead:
 
     def _run(self) -> None:
         done = False
-        announced = -1  # the last run announced
         try:
             with open(os.devnull, "wb", buffering=0) as sink:
                 while True:
@@ -410,13 +400,8 @@ class _ReadAhead:
                             self._running = False
                             done = True
                             return
-                        source, offset, nbytes, keys, seq = self._queue.popleft()
-                        following = self._queue[0] if self._queue else None
+                        source, offset, nbytes, keys = self._queue.popleft()
                     try:
-                        for run in ((source, offset, nbytes, keys, seq), following):
-                            if run is not None and run[4] > announced:
-                                _will_need(run[0], run[1], run[2])
-                                announced = run[4]
                         _fill_page_cache(source, offset, nbytes, sink.fileno())
                     except OSError:
                         pass  # the batch that needs the range reads it itself, and reports what is wrong
@@ -685,27 +670,32 @@ class CacheDataset(Dataset):
         return divmod(i, self.shard_size)
 
     def prefetch(self, indices: Iterable[int]) -> None:
-        """Have these samples' long raw rows read into the page cache in the background; returns at once.
+        """Have these samples' raw rows read into the page cache in the background; returns at once.
 
         The ``prefetch`` hook of :class:`speccache.read.sampler.LocalityShuffleSampler`, which
         announces the next samples while the current batch is read, so that the disk
-        never waits for the reader. Only reads that would go to ``pread`` and are not
-        cached are announced; short ones rely on the kernel's read-around of the mapping.
-        A background thread reads them in file order, so that the disk streams through
-        the shards, and a batch that needs one of them before it is read waits for it.
+        never waits for the reader. A background thread reads the rows not cached yet
+        shard by shard, in the order the indices first need the shards, each in file
+        order, so that the disk streams through them; a batch that needs one of them
+        before it is read waits for it. (Encoded keys are decoded from the mapping,
+        whose faults read around them.)
         """
         probe = memoryview(bytearray(1))
         wanted = []
+        first_use: dict[int, int] = {}  # shards in the order the indices first need them
         for index in indices:
             shard, local = self._split(index)
             opened = self._open_shard(shard)
-            for key, base in opened.long.items():
+            first_use.setdefault(shard, len(first_use))
+            for key, base in opened.bases.items():
+                if base is None:
+                    continue
                 start, end = opened.span(key, local)
-                if end - start >= _PREAD_BYTES and not _cached_prefix(opened, probe, base + start):
-                    wanted.append((opened, base + start, end - start))
+                if end > start and not _cached_prefix(opened, probe, base + start):
+                    wanted.append((first_use[shard], base + start, end - start, opened))
         if wanted:
-            wanted.sort(key=lambda w: (id(w[0]), w[1]))
-            self._read_ahead().submit(wanted)
+            wanted.sort(key=lambda w: w[:2])
+            self._read_ahead().submit((opened, offset, nbytes) for _, offset, nbytes, opened in wanted)
 
     def sample_lengths(self) -> list[int]:
         """Rows of each sample's ragged keys (all 1 when no key is ragged); reads only shard offsets."""
@@ -798,9 +788,9 @@ def read_into(out: torch.Tensor, samples: Sequence[Any], key: str, info: KeyLayo
         else:
             start = local * row_bytes
             end = start + row_bytes
+        if end > start and source.ahead is not None:  # announced and not read yet: the thread is on its way
+            source.ahead.wait(source, base + start)
         if end - start >= _PREAD_BYTES:
-            if source.ahead is not None:  # announced and not read yet: the read-ahead thread is on its way to it
-                source.ahead.wait(source, base + start)
             large.append((source, base + start, end - start, d))
         elif end > start:  # an empty sample or zero-width rows copy nothing (and an empty view is read-only)
             mv[d : d + end - start] = source.mapped[key][start:end]
