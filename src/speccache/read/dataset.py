@@ -73,7 +73,7 @@ class _OpenShard:
     raw rows from the file needs."""
 
     __slots__ = (
-        "shard", "path", "keys", "infos", "bases", "mapped", "row_offsets", "fd", "size", "advice", "ahead"
+        "shard", "path", "keys", "infos", "bases", "mapped", "long", "row_offsets", "fd", "size", "advice", "ahead"
     )  # fmt: skip
 
     def __init__(
@@ -98,6 +98,13 @@ class _OpenShard:
         self.mapped = {k: bytes_view(shard.file.tensor(k)) for k in raw}
         """The bytes of each raw key in the shard's mapping."""
         self.row_offsets: list[int] = shard.row_offsets
+        most = max((b - a for a, b in zip(self.row_offsets, self.row_offsets[1:])), default=0)
+        self.long = {
+            k: shard.file.data_start + entries[k][2]
+            for k in raw
+            if (most if infos[k].ragged else 1) * infos[k].row_bytes >= _PREAD_BYTES
+        }
+        """File offsets of the raw keys with samples long enough for ``pread`` (which ``prefetch`` announces)."""
         self.fd: int = shard.file.handle.fileno()  # the file the mapping shows, kept open by the shard
         self.advice = _advice_bytes(os.fstat(self.fd).st_dev)
         """Bytes per ``WILLNEED`` (see :func:`_advice_bytes`)."""
@@ -670,15 +677,16 @@ class CacheDataset(Dataset):
         return divmod(i, self.shard_size)
 
     def prefetch(self, indices: Iterable[int]) -> None:
-        """Have these samples' raw rows read into the page cache in the background; returns at once.
+        """Have these samples' long raw rows read into the page cache in the background; returns at once.
 
         The ``prefetch`` hook of :class:`speccache.read.sampler.LocalityShuffleSampler`, which
         announces the next samples while the current batch is read, so that the disk
-        never waits for the reader. A background thread reads the rows not cached yet
-        shard by shard, in the order the indices first need the shards, each in file
-        order, so that the disk streams through them; a batch that needs one of them
-        before it is read waits for it. (Encoded keys are decoded from the mapping,
-        whose faults read around them.)
+        never waits for the reader. Only reads that would go to ``pread`` and are not
+        cached are announced; short ones rely on the kernel's read-around of the mapping
+        (probing and queueing each would cost more than a fault). A background thread
+        reads them shard by shard, in the order the indices first need the shards, each
+        in file order, so that the disk streams through them; a batch that needs one of
+        them before it is read waits for it.
         """
         probe = memoryview(bytearray(1))
         wanted = []
@@ -687,11 +695,9 @@ class CacheDataset(Dataset):
             shard, local = self._split(index)
             opened = self._open_shard(shard)
             first_use.setdefault(shard, len(first_use))
-            for key, base in opened.bases.items():
-                if base is None:
-                    continue
+            for key, base in opened.long.items():
                 start, end = opened.span(key, local)
-                if end > start and not _cached_prefix(opened, probe, base + start):
+                if end - start >= _PREAD_BYTES and not _cached_prefix(opened, probe, base + start):
                     wanted.append((first_use[shard], base + start, end - start, opened))
         if wanted:
             wanted.sort(key=lambda w: w[:2])
@@ -788,9 +794,9 @@ def read_into(out: torch.Tensor, samples: Sequence[Any], key: str, info: KeyLayo
         else:
             start = local * row_bytes
             end = start + row_bytes
-        if end > start and source.ahead is not None:  # announced and not read yet: the thread is on its way
-            source.ahead.wait(source, base + start)
         if end - start >= _PREAD_BYTES:
+            if source.ahead is not None:  # announced and not read yet: the read-ahead thread is on its way to it
+                source.ahead.wait(source, base + start)
             large.append((source, base + start, end - start, d))
         elif end > start:  # an empty sample or zero-width rows copy nothing (and an empty view is read-only)
             mv[d : d + end - start] = source.mapped[key][start:end]
