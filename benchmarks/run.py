@@ -886,10 +886,11 @@ WHY = {
     "cold": (
         "The cold epoch took {ours_cold:.2f} s, the plain sequential read {plain_cold:.2f} s and the warm epoch "
         "{ours_warm:.2f} s. Each window's samples are announced at once, and a background thread reads them into "
-        "the page cache in file order (touching samples as one `sendfile` to /dev/null, the next run announced with "
-        "`WILLNEED`) while batches are collated; a batch waits for a queued sample rather than seeking for it. What "
-        "the plain read does not pay: the first batch waits for its window's reads (its samples are shuffled across "
-        "the window's shards), and copying the last window out of the page cache follows the last read."
+        "the page cache shard by shard in file order (touching samples as one `sendfile` to /dev/null) while batches "
+        "are collated; a batch waits for a queued sample rather than seeking for it. What the plain read does not "
+        "pay: the first batch waits for its whole window to be read (its samples are shuffled across the window's "
+        "shards) before any copy starts, and where the copies are slower than the disk (busy cores: compare the warm "
+        "epoch with the plain cold read) the epoch is that wait plus the copies, not the stream alone."
     ),
     "seed warm": (
         "Both readers did the same work as in the other rows; the seed reader's per-sample overhead is what "
