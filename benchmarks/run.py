@@ -843,8 +843,9 @@ def bench_reads(
         "num_workers=0)`, a fresh dataset each time (shards opened during the epoch); caches: "
         f"{', '.join(sizes)}. PackCollator concatenates the samples, so the batches hold exactly the "
         "shards' data bytes, like the baseline. Locality order: `LocalityShuffleSampler(dataset, shard_size, "
-        "prefetch=dataset.prefetch)` (windows of 8 shards; the next `4 * shard_size` samples are announced "
-        "to the kernel while a batch is read); random order: a uniform permutation as a plain list. The baseline "
+        "prefetch=dataset.prefetch)` (windows of 8 shards; each window's samples are announced when it starts "
+        "within one window of the position, and a background thread reads them into the page cache in file order "
+        "while batches are collated); random order: a uniform permutation as a plain list. The baseline "
         "reads every shard file whole into one reused 16 MiB buffer: warm, right after a read that fills the "
         "page cache; cold, sequentially after dropping it. Ratio: baseline time / speccache time (1.00x: as "
         "fast as the plain read)."
@@ -884,11 +885,12 @@ WHY = {
     ),
     "cold": (
         "The cold epoch took {ours_cold:.2f} s, the plain sequential read {plain_cold:.2f} s and the warm epoch "
-        "{ours_warm:.2f} s. The sampler's prefetch and each batch's misses are announced in file order, "
-        "neighbouring samples as one range, in pieces of the device's read-ahead limit (8 MiB here; 128 KiB pieces "
-        "made 16 small requests of every 2 MB sample). On an otherwise idle machine the ratio stayed near 0.7x, so "
-        "what is left is the reader's, not the disk's: a cold epoch waits on each batch's reads in turn, where the "
-        "plain read streams whole files; reading the next batch while this one is collated is the next lead."
+        "{ours_warm:.2f} s. Each window's samples are announced at once, and a background thread reads them into "
+        "the page cache shard by shard in file order (touching samples as one `sendfile` to /dev/null) while batches "
+        "are collated; a batch waits for a queued sample rather than seeking for it. What the plain read does not "
+        "pay: the first batch waits for its whole window to be read (its samples are shuffled across the window's "
+        "shards) before any copy starts, and where the copies are slower than the disk (busy cores: compare the warm "
+        "epoch with the plain cold read) the epoch is that wait plus the copies, not the stream alone."
     ),
     "seed warm": (
         "Both readers did the same work as in the other rows; the seed reader's per-sample overhead is what "

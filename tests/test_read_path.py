@@ -164,8 +164,7 @@ def test_a_shard_truncated_after_opening_raises(tmp_path):
         PackCollator(["hidden"])(views)
 
 
-@pytest.mark.parametrize("how", ["batch", "prefetch"])
-def test_uncached_reads_are_announced_in_file_order_neighbours_as_one_range(tmp_path, monkeypatch, how):
+def test_uncached_reads_of_a_batch_are_announced_in_file_order_neighbours_as_one_range(tmp_path, monkeypatch):
     import speccache.read.dataset as dataset_module
 
     path = str(tmp_path / "c")
@@ -175,12 +174,93 @@ def test_uncached_reads_are_announced_in_file_order_neighbours_as_one_range(tmp_
     monkeypatch.setattr(dataset_module, "_advise", lambda fd, offset, n, advice: announced.append((offset, n)))
     ds = CacheDataset(path, keys=["hidden"])
     order = [5, 2, 3, 6, 4]  # samples 2-6 lie back to back in the file
-    if how == "batch":
-        PackCollator(["hidden"])(ds.__getitems__(order))
-    else:
-        ds.prefetch(order)
+    PackCollator(["hidden"])(ds.__getitems__(order))
     piece = ds._open_shard(0).advice  # the device's read-ahead limit per WILLNEED
     start, sample = ds._open_shard(0).bases["hidden"], 300 * 256 * 2
     span = (start + 2 * sample, 5 * sample)
     # one range, asked for in file order in pieces of the device's limit (not one 128 KiB request after another)
     assert announced == [(span[0] + a, min(piece, span[1] - a)) for a in range(0, span[1], piece)]
+
+
+def _sequential_cache(path: str) -> None:
+    write_synthetic_cache(path, num_samples=16, shard_size=8, hidden=256, min_len=300, max_len=300, overlap=False)
+
+
+def test_prefetched_samples_are_read_ahead_in_file_order(tmp_path, monkeypatch):
+    import speccache.read.dataset as dataset_module
+
+    path = str(tmp_path / "c")
+    _sequential_cache(path)
+    filled: list[tuple[str, int, int]] = []
+    fill = dataset_module._fill_page_cache
+    monkeypatch.setattr(dataset_module, "_NOWAIT", [0])  # nothing counts as cached
+    monkeypatch.setattr(
+        dataset_module, "_fill_page_cache", lambda s, o, n, sink: (filled.append((s.path, o, n)), fill(s, o, n, sink))
+    )
+    ds = CacheDataset(path, keys=["hidden"])
+    ds.prefetch([13, 5, 2, 9, 3])  # returns at once; a thread reads shard 1, then shard 0, each in file order
+    first, second = ds._open_shard(0), ds._open_shard(1)
+    ds._read_ahead().wait(first, first.bases["hidden"] + first.span("hidden", 5)[0])
+    start, sample = first.bases["hidden"], 300 * 256 * 2
+    assert filled == [
+        (second.path, start + sample, sample),
+        (second.path, start + 5 * sample, sample),
+        (first.path, start + 2 * sample, 2 * sample),  # samples 2 and 3 in one read
+        (first.path, start + 5 * sample, sample),
+    ]
+    assert PackCollator(["hidden"])(ds.__getitems__([13, 5]))["hidden"].shape == (600, 256)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_read_ahead_thread_changes_no_batch(cache, monkeypatch, workers):
+    import speccache.read.dataset as dataset_module
+
+    fills = []
+    fill = dataset_module._fill_page_cache
+    monkeypatch.setattr(dataset_module, "_NOWAIT", [0])  # every long read is queued, waited for and read again
+    monkeypatch.setattr(dataset_module, "_fill_page_cache", lambda *a: (fills.append(a[1]), fill(*a)))
+    collate = PackCollator(RAGGED)
+    plain = CacheDataset(cache)
+    order = LocalityShuffleSampler(plain, plain.shard_size, seed=5, window=2).rank_order().tolist()
+    want = [collate(copies(plain.__getitems__(order[a : a + 4]))) for a in range(0, len(order), 4)]
+    ds = CacheDataset(cache)
+    for _ in range(2):  # the second epoch forks its workers from a process that has read ahead
+        sampler = LocalityShuffleSampler(ds, ds.shard_size, seed=5, window=2, prefetch=ds.prefetch)
+        loader = DataLoader(ds, batch_size=4, sampler=sampler, collate_fn=collate, num_workers=workers)
+        got = list(loader)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert_batches_equal(g, w)
+    assert fills or ds.schema["hidden"].encoding != "raw"  # the thread read the long raw samples ahead
+    pickle.loads(pickle.dumps(ds))  # a dataset that read ahead still pickles (for spawned workers)
+
+
+def test_a_shard_replaced_under_the_read_ahead_is_refused(tmp_path):
+    path, other = str(tmp_path / "c"), str(tmp_path / "d")
+    _sequential_cache(path)
+    write_synthetic_cache(other, num_samples=16, shard_size=8, hidden=256, min_len=200, max_len=200, overlap=False)
+    ds = CacheDataset(path, max_open_shards=1)
+    # windows of one shard; the other shard, opened when announced at the start, is reopened for its batch
+    sampler = LocalityShuffleSampler(ds, ds.shard_size, seed=0, window=1, prefetch=ds.prefetch, prefetch_ahead=8)
+    batches = iter(DataLoader(ds, batch_size=8, sampler=sampler, collate_fn=PackCollator(RAGGED)))
+    next(batches)
+    second = 1 - sampler.rank_order()[0] // 8
+    with open(shard_path(other, second), "rb") as src, open(shard_path(path, second), "r+b") as dst:
+        dst.truncate(0)
+        dst.write(src.read())
+    with pytest.raises(CacheCorruptError, match="shard table records"):
+        next(batches)
+
+
+def test_a_shard_truncated_under_the_read_ahead_raises(tmp_path, monkeypatch):
+    import speccache.read.dataset as dataset_module
+
+    path = str(tmp_path / "c")
+    _sequential_cache(path)
+    monkeypatch.setattr(dataset_module, "_NOWAIT", [0])  # nothing counts as cached: the thread reads everything
+    ds = CacheDataset(path, keys=["hidden"])
+    views = ds.__getitems__(range(8))
+    os.truncate(shard_path(path, 0), os.path.getsize(shard_path(path, 0)) // 2)
+    ds.prefetch(range(8))  # the thread stops at the end of the file
+    with pytest.raises(CacheCorruptError, match="shrank"):
+        PackCollator(["hidden"])(views)

@@ -168,3 +168,28 @@ def test_resume_with_dataloader_prefetching_and_other_worker_count(before: int, 
 def test_accepts_a_dataset_and_empty() -> None:
     assert len(LocalityShuffleSampler(torch.zeros(9), 4)) == 9
     assert list(LocalityShuffleSampler(0, 4, world_size=2)) == []
+
+
+@pytest.mark.parametrize("world_size, start", [(1, 0), (3, 0), (2, 37)])
+def test_prefetch_announces_whole_windows_a_window_ahead(world_size: int, start: int) -> None:
+    n, shard_size, window = 103, 7, 2  # a partial last shard shortens one window
+    for rank in range(world_size):
+        seen: list[int] = []
+        calls: list[tuple[int, list[int]]] = []
+
+        def record(ix: list[int], seen: list[int] = seen, calls: list[tuple[int, list[int]]] = calls) -> None:
+            calls.append((len(seen), ix))
+
+        s = LocalityShuffleSampler(n, shard_size, window=window, rank=rank, world_size=world_size, prefetch=record)
+        s.start = start
+        for i in s:
+            assert i in {j for _, ix in calls for j in ix}
+            seen.append(i)
+        assert [j for _, ix in calls for j in ix] == seen
+        first = 0
+        for at, ix in calls:
+            assert at <= first <= at + window * shard_size  # the window starts within prefetch_ahead of the position
+            assert len({i // shard_size for i in ix}) <= window  # one window's samples
+            first += len(ix)
+        for _, ix in calls[1:-1]:  # whole windows (a rank's first and last stretch may be parts of one)
+            assert len(ix) == sum(min(shard_size, n - k * shard_size) for k in {i // shard_size for i in ix})

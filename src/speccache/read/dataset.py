@@ -11,7 +11,8 @@ in costs about as much as the copy itself), the uncached ones of a batch
 announced to the kernel together, in file order and neighbours merged, so
 that the disk reads them in parallel and in long requests; short runs from
 the mapping. :meth:`CacheDataset.prefetch` lets a sampler
-announce the next samples while a batch is read.
+announce the next samples, which a background thread then reads into the page
+cache in file order while batches are collated (see :class:`_ReadAhead`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import functools
 import math
 import operator
 import os
-from collections import OrderedDict
+import threading
+import weakref
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,12 +72,21 @@ class _OpenShard:
     """A shard opened by a :class:`CacheDataset` (or by :func:`open_stacked_file`): its decoder plus what reading
     raw rows from the file needs."""
 
-    __slots__ = ("shard", "path", "keys", "infos", "bases", "mapped", "long", "row_offsets", "fd", "size", "advice")
+    __slots__ = (
+        "shard", "path", "keys", "infos", "bases", "mapped", "long", "row_offsets", "fd", "size", "advice", "ahead"
+    )  # fmt: skip
 
     def __init__(
-        self, shard: NativeShard, keys: tuple[str, ...], infos: dict[str, KeyLayout], raw: Sequence[str]
+        self,
+        shard: NativeShard,
+        keys: tuple[str, ...],
+        infos: dict[str, KeyLayout],
+        raw: Sequence[str],
+        ahead: _ReadAhead | None = None,
     ) -> None:
         self.shard = shard
+        self.ahead = ahead
+        """The reader that ``prefetch`` hands this shard's announced ranges to, if any."""
         self.size = shard.file.size
         self.path: str = shard.path
         self.keys = keys
@@ -310,6 +322,125 @@ def _pread_into(source: _OpenShard, dst: memoryview, offset: int) -> None:
         done += got
 
 
+class _ReadAhead:
+    """Reads announced ranges into the page cache on a daemon thread, in the order given (file order).
+
+    A cold epoch then streams through its shards as a plain sequential read does, while
+    batches are collated, instead of waiting on each batch's reads in turn; and a batch
+    that needs a range the thread will reach within :data:`_WAIT_BYTES` waits for it
+    (:meth:`wait`) rather than seeking for it in the middle of the stream. Ranges that
+    touch are read as one run, in one ``sendfile`` to ``/dev/null``: the kernel streams it
+    with its own read-ahead, without coming back for the GIL between samples, and copies
+    nothing, so the thread's memory is its queue of runs, which the sampler's
+    ``prefetch_ahead`` bounds. Nothing is announced with ``WILLNEED`` here: a deep queue
+    of streaming requests would hold up the small synchronous reads the main thread
+    still makes (the headers of shards it opens). The thread runs only while runs are
+    queued, and only the process that made this object uses it: a forked DataLoader
+    worker inherits the object (its lock perhaps held) but not the thread.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[_OpenShard, int, int, list[tuple[int, int]]]] = deque()
+        """Runs to read: ``(source, offset, nbytes, keys of the ranges in it)``."""
+        self._pending: dict[tuple[int, int], int] = {}
+        """``(id(source), offset)`` of each queued range: the bytes queued up to the end of its run. The queue
+        holds ``source``, so its id is nobody else's meanwhile."""
+        self._queued = 0
+        self._read = 0
+        self._running = False
+
+    def submit(self, ranges: Iterable[tuple[_OpenShard, int, int]]) -> None:
+        """Queue ``(source, offset, nbytes)`` ranges to be read in this order after those queued before, those that
+        touch as one run; returns at once."""
+        with self._cond:
+            run: list[Any] = []
+            for source, offset, nbytes in ranges:
+                if (id(source), offset) in self._pending:
+                    continue
+                if run and run[0] is source and run[1] + run[2] == offset:
+                    run[2] += nbytes
+                else:
+                    self._push(run)
+                    run = [source, offset, nbytes, []]
+                run[3].append((id(source), offset))
+                self._pending[id(source), offset] = -1  # not queued yet: a duplicate in ``ranges`` is skipped
+            self._push(run)
+            if self._queue and not self._running:
+                self._running = True
+                threading.Thread(target=self._run, name="speccache-read-ahead", daemon=True).start()
+
+    def _push(self, run: list[Any]) -> None:
+        if run:
+            self._queued += run[2]
+            self._pending.update(dict.fromkeys(run[3], self._queued))
+            self._queue.append(tuple(run))  # type: ignore[arg-type]
+
+    def wait(self, source: _OpenShard, offset: int) -> None:
+        """Return once the range of ``source`` at ``offset`` is read, or at once if it is not queued or the
+        thread has more than :data:`_WAIT_BYTES` to read before it."""
+        key = (id(source), offset)
+        # Without the lock: only the caller's thread adds keys, so one missing now is not queued (or read already).
+        if key not in self._pending or self.pid != os.getpid():
+            return
+        with self._cond:
+            while (end := self._pending.get(key)) is not None and end - self._read <= _WAIT_BYTES:
+                self._cond.wait()
+
+    def close(self) -> None:
+        """Drop what is queued; the thread ends after the range it is reading."""
+        if self.pid != os.getpid():
+            return
+        with self._cond:
+            self._queue.clear()
+            self._pending.clear()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        done = False
+        try:
+            with open(os.devnull, "wb", buffering=0) as sink:
+                while True:
+                    with self._cond:
+                        if not self._queue:
+                            self._running = False
+                            done = True
+                            return
+                        source, offset, nbytes, keys = self._queue.popleft()
+                    try:
+                        _fill_page_cache(source, offset, nbytes, sink.fileno())
+                    except OSError:
+                        pass  # the batch that needs the range reads it itself, and reports what is wrong
+                    with self._cond:
+                        self._read += nbytes
+                        for key in keys:
+                            self._pending.pop(key, None)
+                        self._cond.notify_all()
+        finally:
+            if not done:  # whatever ended the thread, nobody waits for ranges it will not read
+                with self._cond:
+                    self._running = False
+                    self._queue.clear()
+                    self._pending.clear()
+                    self._cond.notify_all()
+
+
+_WAIT_BYTES = 1 << 30
+"""A batch waits for the read-ahead thread only for ranges it reaches within this many bytes (well under a
+second of a fast disk); farther ones it reads itself."""
+
+
+def _fill_page_cache(source: _OpenShard, offset: int, nbytes: int, sink: int) -> None:
+    """Read ``[offset, offset + nbytes)`` of ``source``'s file into the page cache, into ``sink`` (``/dev/null``)."""
+    end = offset + nbytes
+    while offset < end:
+        sent = os.sendfile(sink, source.fd, offset, end - offset)
+        if sent <= 0:  # past the end of a file truncated under the reader: the batch's own read reports it
+            return
+        offset += sent
+
+
 class CacheDataset(Dataset):
     """A native cache directory as a map-style dataset of per-sample tensor dicts.
 
@@ -396,6 +527,7 @@ class CacheDataset(Dataset):
             validate_contiguous_shards(cache_dir, self.cache_name, self.num_samples, self.shard_size)
         self._open: OrderedDict[int, _OpenShard] = OrderedDict()
         self._verified: set[int] = set()
+        self._ahead: _ReadAhead | None = None
         self._infos: dict[tuple[tuple[str, KeyLayout], ...], dict[str, KeyLayout]] = {}
 
     def _stored_keys(self, keys: list[str]) -> list[str]:
@@ -423,7 +555,15 @@ class CacheDataset(Dataset):
         state = self.__dict__.copy()
         state["_open"] = OrderedDict()
         state["_verified"] = set()  # another process verifies for itself
+        state["_ahead"] = None  # and reads ahead for itself
         return state
+
+    def _read_ahead(self) -> _ReadAhead:
+        """This process's :class:`_ReadAhead` (a forked worker makes its own), closed with the dataset."""
+        if self._ahead is None or self._ahead.pid != os.getpid():
+            self._ahead = _ReadAhead()
+            weakref.finalize(self, self._ahead.close)
+        return self._ahead
 
     def _shard(self, index: int) -> NativeShard:
         """The open shard ``index``."""
@@ -503,7 +643,7 @@ class CacheDataset(Dataset):
         raw = [k for k in self.keys if get_encoding(self.schema[k].encoding).zero_copy]
         # Shards with the same layout share one dict, so a collator checks a batch with one identity test per sample.
         infos = self._infos.setdefault(tuple(infos.items()), infos)
-        return _OpenShard(shard, self.keys, infos, raw)
+        return _OpenShard(shard, self.keys, infos, raw, self._read_ahead())
 
     def __getitem__(self, index: int) -> Sample:
         """One sample as a plain dict of tensors the caller owns (what ``__getitems__`` returns for it)."""
@@ -537,25 +677,31 @@ class CacheDataset(Dataset):
         return divmod(i, self.shard_size)
 
     def prefetch(self, indices: Iterable[int]) -> None:
-        """Ask the kernel to start reading these samples' long raw rows into the page cache; returns at once.
+        """Have these samples' long raw rows read into the page cache in the background; returns at once.
 
         The ``prefetch`` hook of :class:`speccache.read.sampler.LocalityShuffleSampler`, which
         announces the next samples while the current batch is read, so that the disk
         never waits for the reader. Only reads that would go to ``pread`` and are not
-        cached are announced; short ones rely on the kernel's read-around of the mapping.
+        cached are announced; short ones rely on the kernel's read-around of the mapping
+        (probing and queueing each would cost more than a fault). A background thread
+        reads them shard by shard, in the order the indices first need the shards, each
+        in file order, so that the disk streams through them; a batch that needs one of
+        them before it is read waits for it.
         """
         probe = memoryview(bytearray(1))
         wanted = []
+        first_use: dict[int, int] = {}  # shards in the order the indices first need them
         for index in indices:
             shard, local = self._split(index)
             opened = self._open_shard(shard)
+            first_use.setdefault(shard, len(first_use))
             for key, base in opened.long.items():
                 start, end = opened.span(key, local)
                 if end - start >= _PREAD_BYTES and not _cached_prefix(opened, probe, base + start):
-                    wanted.append((opened, base + start, end - start))
+                    wanted.append((first_use[shard], base + start, end - start, opened))
         if wanted:
-            wanted.sort(key=lambda w: (id(w[0]), w[1]))
-            _announce(wanted)
+            wanted.sort(key=lambda w: w[:2])
+            self._read_ahead().submit((opened, offset, nbytes) for _, offset, nbytes, opened in wanted)
 
     def sample_lengths(self) -> list[int]:
         """Rows of each sample's ragged keys (all 1 when no key is ragged); reads only shard offsets."""
@@ -649,6 +795,8 @@ def read_into(out: torch.Tensor, samples: Sequence[Any], key: str, info: KeyLayo
             start = local * row_bytes
             end = start + row_bytes
         if end - start >= _PREAD_BYTES:
+            if source.ahead is not None:  # announced and not read yet: the read-ahead thread is on its way to it
+                source.ahead.wait(source, base + start)
             large.append((source, base + start, end - start, d))
         elif end > start:  # an empty sample or zero-width rows copy nothing (and an empty view is read-only)
             mv[d : d + end - start] = source.mapped[key][start:end]

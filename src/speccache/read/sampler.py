@@ -31,7 +31,9 @@ workers does not change it, and it is a pure function of
 Reading ahead. With ``prefetch=dataset.prefetch`` (see
 :meth:`speccache.read.CacheDataset.prefetch`) the sampler announces the samples
 it will yield next, so that the disk reads them while the current batch is
-copied.
+copied. A window's samples are announced together (when ``prefetch_ahead``
+holds a window), so that the reader can take its shards in file order instead
+of one shuffled sample after another.
 """
 
 from __future__ import annotations
@@ -69,8 +71,11 @@ class LocalityShuffleSampler(Sampler[int]):
             announced beyond the current position, e.g. :meth:`speccache.read.CacheDataset.prefetch`,
             so that the disk reads the next batches while this one is processed. It runs where the
             sampler is iterated: the DataLoader's main process, whose page cache its workers share.
-        prefetch_ahead: how many indices ``prefetch`` stays ahead (default ``4 * shard_size``: a deep
-            queue of reads keeps a disk busier than a shallow one).
+            When a window's samples fit in ``prefetch_ahead``, each call announces one whole window
+            (this rank's part of it), as soon as the window starts within ``prefetch_ahead`` of the
+            current position; otherwise calls announce ``prefetch_ahead // 2`` indices at a time.
+        prefetch_ahead: how many indices ``prefetch`` stays ahead (default ``window * shard_size``:
+            one window, so that the next window's shards are read while this one's are used).
         weights: per-sample mixture weights (e.g. :meth:`speccache.read.view.ViewDataset.sample_weights` of a
             merge made with ``--weights``): sample ``i`` appears ``floor(w)`` times per epoch, plus once more for a
             fixed seeded choice of a ``frac(w)`` share of the samples of weight ``w``; the copies are spread by the
@@ -106,7 +111,7 @@ class LocalityShuffleSampler(Sampler[int]):
             extra = np.random.default_rng([seed, 0x5EED]).random(num_samples) < w - np.floor(w)
             self.copies = np.repeat(np.arange(num_samples, dtype=np.int64), np.floor(w).astype(np.int64) + extra)
             num_samples = len(self.copies)
-        prefetch_ahead = 4 * shard_size if prefetch_ahead is None else prefetch_ahead
+        prefetch_ahead = window * shard_size if prefetch_ahead is None else prefetch_ahead
         shard_size, window, world_size, prefetch_ahead = (
             _positive(name, value)
             for name, value in (
@@ -148,6 +153,10 @@ class LocalityShuffleSampler(Sampler[int]):
     def epoch_order(self, epoch: int | None = None) -> np.ndarray:
         """The global sequence of ``epoch`` (default: the current one), before the rank split: every sample once
         (with ``weights``, as many times as its weight gives)."""
+        return self._epoch(epoch)[0]
+
+    def _epoch(self, epoch: int | None) -> tuple[np.ndarray, list[int]]:
+        """:meth:`epoch_order` and where each window ends in it."""
         rng = np.random.default_rng([self.seed, self.epoch if epoch is None else epoch])
         n, size = self.num_samples, self.shard_size
         shards = rng.permutation(-(-n // size))
@@ -155,22 +164,47 @@ class LocalityShuffleSampler(Sampler[int]):
         ends = np.cumsum(lengths)
         # Sample j of the sequence sits in block b at position j - (ends[b] - lengths[b]).
         order = np.arange(n, dtype=np.int64) + np.repeat(shards * size - (ends - lengths), lengths)
+        window_ends = []
         for first in range(0, len(shards), self.window):
             last = min(first + self.window, len(shards))
             rng.shuffle(order[ends[first] - lengths[first] : ends[last - 1]])
-        return order if self.copies is None else self.copies[order]
+            window_ends.append(int(ends[last - 1]))
+        return (order if self.copies is None else self.copies[order]), window_ends
 
     def rank_order(self, epoch: int | None = None) -> np.ndarray:
         """This rank's whole sequence for ``epoch`` (default: the current one), ignoring :attr:`start`."""
-        order = self.epoch_order(epoch)
+        return self._rank(epoch)[0]
+
+    def _rank(self, epoch: int | None) -> tuple[np.ndarray, list[int]]:
+        """:meth:`rank_order` and where its stretches of one window each end in it."""
+        order, window_ends = self._epoch(epoch)
         total = self.per_rank * self.world_size
         if total > len(order):
             order = np.resize(order, total) if len(order) else order
-        return order[self.rank * self.per_rank : (self.rank + 1) * self.per_rank]
+        first = self.rank * self.per_rank
+        ends = [e - first for e in window_ends if 0 < e - first < self.per_rank]
+        return order[first : first + self.per_rank], [*ends, self.per_rank]
 
     def __iter__(self) -> Iterator[int]:
-        order = self.rank_order()[self.start :].tolist()
-        return iter(order) if self.prefetch is None else self._prefetching(order)
+        order, ends = self._rank(None)
+        order = order[self.start :].tolist()
+        if self.prefetch is None:
+            return iter(order)
+        if self.window * self.shard_size <= self.prefetch_ahead:
+            return self._prefetching_windows(order, [e - self.start for e in ends if e > self.start])
+        return self._prefetching(order)
+
+    def _prefetching_windows(self, order: list[int], ends: list[int]) -> Iterator[int]:
+        """Yield ``order``, each stretch up to the next of ``ends`` announced in one call, once it starts within
+        ``prefetch_ahead`` of the position."""
+        assert self.prefetch is not None
+        starts = [0, *ends[:-1]]
+        announced = 0  # stretches announced
+        for start, end in zip(starts, ends):
+            while announced < len(ends) and starts[announced] <= start + self.prefetch_ahead:
+                self.prefetch(order[starts[announced] : ends[announced]])
+                announced += 1
+            yield from order[start:end]
 
     def _prefetching(self, order: list[int]) -> Iterator[int]:
         assert self.prefetch is not None
