@@ -25,7 +25,7 @@ from speccache.cli import main
 from speccache.demo import demo_data_path
 from speccache.format import Manifest
 from speccache.methods.eagle3 import Eagle3Target, Supervision, TargetHead, build_eagle3_dataloader
-from speccache.train.trainer import draft_for_cache, draft_loss, train_steps
+from speccache.train.trainer import MAX_GRAD_NORM, draft_for_cache, draft_loss, train_steps
 
 pytestmark = pytest.mark.usefixtures("offline_single_thread")
 
@@ -90,6 +90,7 @@ def _online(cache: str, feed: list[dict[str, torch.Tensor]], head: TargetHead) -
         loss = draft_loss(draft, batch, head, TTT)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), MAX_GRAD_NORM)  # as train_steps does
         optimizer.step()
         losses.append(float(loss.detach()))
         scales.append(math.sqrt(sum(float(((batch[k].grad * batch[k].detach()) ** 2).sum()) for k in FEATURES)))
