@@ -32,7 +32,7 @@ from transformers import GPT2Config, LlamaConfig
 
 import speccache.errors as errors_module
 from speccache.data import chat_format
-from speccache.data.regenerated import REGENERATE_FORMAT, REGENERATE_NAME, check_regenerate_dir, read_progress
+from speccache.data.regenerated import REGENERATE_FORMAT, REGENERATE_NAME, read_progress
 from speccache.demo.real_target import build_real_model_dir, real_target_gguf
 from speccache.engines.hf import Checkpoint, check_shard_target, check_tp_plan
 from speccache.format import MANIFEST_NAME, KeySpec, Manifest, ShardFile, shard_path, write_safetensors
@@ -412,7 +412,7 @@ TRIGGERS: dict[str, T] = {
     "already holds a cache": lambda e: write_synthetic_cache(e.cache(), **ARGS),
     "holds shards but no": lambda e: (os.unlink(os.path.join(p := e.cache(), MANIFEST_NAME)), write_synthetic_cache(p, resume=True, **ARGS)),
     "is a file; choose a directory": lambda e: write_synthetic_cache(str(_touch(e.tmp / "file")), **ARGS),
-    "holds files speccache did not write": lambda e: (_touch(e.tmp / "thesis.tmp"), write_synthetic_cache(str(e.tmp), **ARGS)),
+    "did not write": lambda e: (_touch(e.tmp / "thesis.tmp"), write_synthetic_cache(str(e.tmp), **ARGS)),
     "cannot write output directory": lambda e: write_synthetic_cache(str(e.tmp / ("x" * 300)), **ARGS),  # ENAMETOOLONG
     "was written with a different configuration": lambda e: write_synthetic_cache(e.cache(), resume=True, **{**ARGS, "seed": 1}),
     "is locked by": lambda e: (_write_lock(p := e.cache()), write_synthetic_cache(p, resume=True, **ARGS)),
@@ -560,7 +560,6 @@ TRIGGERS: dict[str, T] = {
     "entries but 'input_ids' has": lambda e: _row({"input_ids": [1, 2], "loss_mask": [1]}),
     "chat rows need a tokenizer with a chat template": lambda e: _row_without_template(),
     # regenerate
-    "holds files speccache regenerate did not write": lambda e: (_touch(e.tmp / "notes.txt"), check_regenerate_dir(str(e.tmp))),
     "already holds a regenerate run; pass --resume": lambda e: (_touch(e.tmp / REGENERATE_NAME), regenerate(RegenerateConfig(str(e.tmp), str(e.tmp), str(e.tmp)))),
     "is a file; choose a new directory to regenerate into": lambda e: regenerate(RegenerateConfig("m", "d", str(_touch(e.tmp / "f")))),
     "not a readable regenerate record": lambda e: read_progress(str(_touch(e.tmp / REGENERATE_NAME, b"{").parent)),

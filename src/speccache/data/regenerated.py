@@ -14,9 +14,8 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from speccache.errors import CacheExistsError, CacheFormatError, DataError
-from speccache.format.lock import LOCK_NAME
-from speccache.format.names import TEMP_RE
+from speccache.errors import CacheFormatError, DataError
+from speccache.format.names import check_no_foreign_files
 
 __all__ = [
     "PART_RE",
@@ -76,19 +75,7 @@ def check_regenerate_dir(directory: str) -> None:
     Raises:
         CacheExistsError: names the directory, the files and the fix.
     """
-    if not os.path.isdir(directory):
-        return
-    foreign = sorted(
-        name
-        for name in os.listdir(directory)
-        if name not in (REGENERATE_NAME, LOCK_NAME) and not PART_RE.match(name) and not TEMP_RE.match(name)
-    )
-    if foreign:
-        shown = ", ".join(foreign[:10]) + (f" and {len(foreign) - 10} more" if len(foreign) > 10 else "")
-        raise CacheExistsError(
-            f"--out {directory} holds files speccache regenerate did not write ({shown}); "
-            "choose a new or empty directory. Nothing was changed."
-        )
+    check_no_foreign_files(directory, (REGENERATE_NAME,), PART_RE, "speccache regenerate")
 
 
 def regenerated_rows(directory: str) -> Iterator[tuple[int, str, bytes]]:

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from speccache.engines.base import target_device
-from speccache.methods.base import CaptureRequest, LoadedTarget
+from speccache.methods.base import DTYPES, CaptureRequest, LoadedTarget
 from speccache.methods.decoder import decoder_layers, forward_capturing
 from speccache.write import Comm
 from speccache.write.dist import (
@@ -61,8 +61,6 @@ __all__ = [
 
 SHARD_MODES = ("replicate", "fsdp", "tp")
 log = logging.getLogger("speccache.engines.hf")
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def check_shard_target(mode: str, tp_size: int | None = None, world_size: int | None = None) -> None:

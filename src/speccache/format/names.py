@@ -56,11 +56,13 @@ def manifest_path(cache_dir: str) -> str:
     return os.path.join(cache_dir, MANIFEST_NAME)
 
 
-def check_no_foreign_files(directory: str) -> None:
-    """Refuse an output directory that holds files no speccache writer creates (so none of them can be touched).
+def check_no_foreign_files(
+    directory: str, own: Sequence[str] = (MANIFEST_NAME,), own_re: re.Pattern[str] = SHARD_RE, writer: str = "speccache"
+) -> None:
+    """Refuse an output directory that holds files ``writer`` does not create (so none of them can be touched).
 
-    A writer's own are the manifest, shards, the lock and temporary files (``TEMP_RE``); a missing directory
-    passes.
+    A writer's own are the names ``own`` (a cache's manifest by default), those ``own_re`` matches (shards), the
+    lock and temporary files (``TEMP_RE``); a missing directory passes.
 
     Raises:
         CacheExistsError: names the directory, the files and the fix.
@@ -70,11 +72,11 @@ def check_no_foreign_files(directory: str) -> None:
     foreign = sorted(
         name
         for name in os.listdir(directory)
-        if name not in (MANIFEST_NAME, LOCK_NAME) and not SHARD_RE.match(name) and not TEMP_RE.match(name)
+        if name not in (*own, LOCK_NAME) and not own_re.match(name) and not TEMP_RE.match(name)
     )
     if foreign:
         raise CacheExistsError(
-            f"{directory} holds files speccache did not write {_short(foreign)}; "
+            f"{directory} holds files {writer} did not write {_short(foreign)}; "
             "choose a new or empty directory. Nothing was changed."
         )
 

@@ -22,6 +22,7 @@ from speccache.methods.decoder import Capture
 from speccache.write import Comm
 
 __all__ = [
+    "DTYPES",
     "CaptureRequest",
     "LoadedTarget",
     "Method",
@@ -31,6 +32,10 @@ __all__ = [
     "model_config_hash",
     "text_config",
 ]
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""The dtype names of ``--dtype`` (storage) and ``--model-dtype`` (the target's compute, besides ``auto``)."""
 
 
 def model_config_hash(model_config: Any) -> str:

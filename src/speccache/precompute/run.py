@@ -46,7 +46,7 @@ from speccache.engines.registry import engine_class
 from speccache.errors import DataError, SpeccacheError
 from speccache.format import LENGTHS_KEY, Manifest, Schema, load_manifest_json, manifest_path, shard_samples
 from speccache.format.encoding import parse_encodings
-from speccache.methods.base import Method, MethodPlan, PrePass, model_config_hash, text_config
+from speccache.methods.base import DTYPES, Method, MethodPlan, PrePass, model_config_hash, text_config
 from speccache.methods.finite import SKIP_REASON, ClearedCounter, check_nonfinite_mode
 from speccache.methods.registry import METHODS, method_for
 from speccache.precompute.append import DATA_FIELDS, AppendedDataset, merge_stats, plan_append
@@ -65,8 +65,6 @@ from speccache.write import (
 from speccache.write.loops import shard_batches
 
 log = logging.getLogger("speccache.precompute")
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 # ---------------------------------------------------------------------------
