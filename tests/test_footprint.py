@@ -87,7 +87,8 @@ def test_estimate_matches_real_size(caches, target, name):
     assert abs(est["shard_bytes_low"] - real) <= per_sample * manifest["num_samples"]
     assert est["side_file_bytes"] == manifest["side_files"]["eagle3_side.safetensors"]["bytes"]
     assert est["tokens"] == manifest["num_tokens"] and est["num_shards"] == len(manifest["shards"])
-    assert est["padded_probs_bytes"] == manifest["stats"]["padded_probs_bytes"]
+    for key in ("padded_probs_bytes", "padded_probs_longest_bytes", "longest_sample"):
+        assert est[key] == manifest["stats"][key], key
     info = inspect_cache(caches[name])
     for key, k in info["keys"].items():
         assert est["keys"][key]["bytes_low"] == k["bytes"], key

@@ -42,7 +42,8 @@ import torch
 
 from speccache.format import OFFSETS_KEY, KeySpec, Schema, get_encoding, part_name, safetensors_prefix
 from speccache.format.shard import shard_metadata
-from speccache.methods.eagle3 import CACHE_NAME, Supervision, sample_stat_names, side_metadata, ties_embeddings
+from speccache.methods.base import tied_metadata, ties_embeddings
+from speccache.methods.eagle3 import CACHE_NAME, Supervision, sample_stat_names
 from speccache.units import human_bytes
 
 __all__ = [
@@ -144,11 +145,11 @@ def side_file_bytes(
     tied: bool = False,
 ) -> int:
     """Bytes of a method's side file: EAGLE-3's (``embed_tokens``, draft ``lm_head`` rows unless ``tied``,
-    vocabulary maps) or, for ``cache_name="layers"``, the layer methods' (``embed_tokens`` and the whole
-    ``lm_head``)."""
+    vocabulary maps) or, for ``cache_name="layers"``, the layer methods' (``embed_tokens`` and, unless
+    ``tied``, the whole ``lm_head``)."""
     layout: Layout = {"embed_tokens": (weight_dtype, (vocab_size, hidden_size))}
-    metadata = {"speccache_side": cache_name}
-    if cache_name != CACHE_NAME or not tied:
+    metadata = {"speccache_side": cache_name, **tied_metadata(tied)}
+    if not tied:
         layout["lm_head"] = (weight_dtype, (draft_vocab_size, hidden_size))
     if cache_name == CACHE_NAME:
         layout |= {
@@ -156,7 +157,6 @@ def side_file_bytes(
             "d2t": (torch.int64, (draft_vocab_size,)),
             "t2d": (torch.bool, (vocab_size,)),
         }
-        metadata = side_metadata(tied)
     prefix, _ = safetensors_prefix(layout, metadata)
     return len(prefix) + sum(_nbytes(*v) for v in layout.values())
 
@@ -201,7 +201,9 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
         ``bytes_low``/``bytes_high``, equal unless the key is zbf16), ``overhead_bytes``,
         ``shard_bytes_low``/``_high``, ``side_file_bytes``, ``total_bytes_low``/``_high``
         (shards and side file, as the precompute summary counts), ``bytes_per_token_low``/``_high``
-        (shards only, as ``inspect`` counts), ``padded_probs_bytes`` and ``zbf16_hi_fraction``.
+        (shards only, as ``inspect`` counts), ``longest_sample``, ``padded_probs_bytes`` (padded to
+        ``--max-length``) and ``padded_probs_longest_bytes`` (to the longest sample: what the report and the
+        precompute summary compare with), and ``zbf16_hi_fraction``.
 
     Raises:
         ValueError, DataError, FileNotFoundError: what ``precompute`` would reject before loading the model.
@@ -251,8 +253,12 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
         "total_bytes_high": high["total"] + side,
         "bytes_per_token_low": low["total"] / tokens,
         "bytes_per_token_high": high["total"] / tokens,
+        "longest_sample": max(lengths),
         "padded_probs_bytes": padded_probs_bytes(
             len(lengths), cfg.max_length, plan.hidden_size, plan.draft_vocab_size, itemsize
+        ),
+        "padded_probs_longest_bytes": padded_probs_bytes(
+            len(lengths), max(lengths), plan.hidden_size, plan.draft_vocab_size, itemsize
         ),
         "zbf16_hi_fraction": list(ZBF16_HI_FRACTION),
     }
@@ -264,7 +270,7 @@ def _span(lo: float, hi: float, fmt: Any = human_bytes) -> str:
 
 def format_estimate(est: Mapping[str, Any]) -> str:
     """The human-readable report of :func:`estimate_cache`."""
-    tokens, padded = est["tokens"], est["padded_probs_bytes"]
+    tokens, padded = est["tokens"], est["padded_probs_longest_bytes"]
     per_token = lambda b: f"{b / tokens:.1f}"  # noqa: E731
     lines = [
         f"estimate   {est['samples']} samples, {tokens} tokens (max length {est['max_length']}) "
@@ -287,7 +293,8 @@ def format_estimate(est: Mapping[str, Any]) -> str:
         + ("" if exact else f"; zbf16 high bytes taken as {lo:.0%}-{hi:.0%} of their raw size"),
         f"side file  {est['side_file']}: {human_bytes(est['side_file_bytes'])}",
         f"total      {_span(est['total_bytes_low'], est['total_bytes_high'])}",
-        f"padded full-probability layout would take {human_bytes(est['padded_probs_bytes'])} "
+        f"padded full-probability layout (to the longest sample, {est['longest_sample']} tokens) would take "
+        f"{human_bytes(padded)} "
         f"({_span(padded / est['total_bytes_high'], padded / est['total_bytes_low'], lambda r: f'{r:.1f}x')} "
         "the size of this cache)",
     ]
