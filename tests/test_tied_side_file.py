@@ -1,4 +1,4 @@
-"""A tied target's EAGLE-3 side file stores its embedding once, and every reader sees what it did before.
+"""A tied target's side file (EAGLE-3's and the layer methods') stores its embedding once; readers see the same.
 
 A tied tiny llama (``tie_word_embeddings``, the head *is* the embedding) and its untied twin (the same weights,
 the head a copy) give caches with the same shards; the tied one's side file has no ``lm_head`` and records the
@@ -21,6 +21,7 @@ from speccache.cli import build_parser, main
 from speccache.demo import demo_data_path
 from speccache.format import ShardFile
 from speccache.methods.eagle3 import SIDE_FILE, Eagle3CacheDataset, TargetHead, read_side_file
+from speccache.methods.layers import SIDE_FILE as LAYERS_SIDE
 from speccache.precompute.estimate import estimate_cache
 from speccache.precompute.run import PrecomputeConfig
 from speccache.train.trainer import draft_for_cache
@@ -121,3 +122,40 @@ def test_verify_inspect_audit_and_estimate_of_a_tied_cache(caches, capsys):
     args = build_parser().parse_args(["estimate", "--model", caches["tied-model"], *ARGS])
     est = estimate_cache(PrecomputeConfig.from_args(args))
     assert est["side_file_bytes"] == Path(cache, SIDE_FILE).stat().st_size
+
+
+# The layer methods' side file holds the whole head: stored once for a tied target too.
+LAYERS_ARGS = ["--method", "dspark", *ARGS[: ARGS.index("--draft-vocab-size")], *ARGS[-6:]]
+
+
+@pytest.fixture(scope="module")
+def layer_caches(caches, tmp_path_factory):
+    base = tmp_path_factory.mktemp("tied-layers")
+    out = {}
+    for name in ("tied", "untied"):
+        out[name] = str(base / name)
+        assert (
+            main(["precompute", "--model", caches[f"{name}-model"], "--out", out[name], *LAYERS_ARGS, "--quiet"]) == 0
+        )
+    return out
+
+
+def test_a_tied_target_stores_its_layers_side_file_head_once(caches, layer_caches, tmp_path):
+    tied, untied = (ShardFile(str(Path(layer_caches[n]) / LAYERS_SIDE)) for n in ("tied", "untied"))
+    assert "lm_head" not in tied.keys() and tied.metadata["tie_word_embeddings"] == "true"
+    assert "lm_head" in untied.keys() and "tie_word_embeddings" not in untied.metadata
+    assert untied.size - tied.size >= 1024 * 64 * 4
+    got, want = (read_side_file(str(Path(layer_caches[n]) / LAYERS_SIDE)) for n in ("tied", "untied"))
+    assert got.keys() == want.keys() == {"embed_tokens", "lm_head"}
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    exported = []
+    for name in ("tied", "untied"):
+        assert main(["export", "--to", "nemo-dspark", layer_caches[name], str(tmp_path / name)]) == 0
+        exported.append(_tensors(tmp_path / name))
+    assert exported[0].keys() == exported[1].keys() and exported[0]
+    for file, tensors in exported[0].items():
+        assert all(torch.equal(v, exported[1][file][k]) for k, v in tensors.items()), file
+    assert main(["verify", layer_caches["tied"]]) == 0
+    args = build_parser().parse_args(["estimate", "--model", caches["tied-model"], *LAYERS_ARGS])
+    est = estimate_cache(PrecomputeConfig.from_args(args))
+    assert est["side_file_bytes"] == Path(layer_caches["tied"], LAYERS_SIDE).stat().st_size

@@ -60,7 +60,8 @@ from speccache.errors import CacheExistsError, CacheFormatError
 from speccache.format import LENGTHS_KEY, Manifest, ShardFile, shard_path, validate_contiguous_shards
 from speccache.format.durable import ensure_writable_dir, writes_to
 from speccache.methods import eagle3, layers
-from speccache.read.source import CacheSource, open_source
+from speccache.methods.base import read_side_file
+from speccache.read.source import open_source
 from speccache.units import human_bytes
 from speccache.write import CacheWriter, SideFile
 
@@ -83,11 +84,6 @@ def _pad(samples: Sequence[dict[str, torch.Tensor]], key: str, length: int, dtyp
 def _shift_left(t: torch.Tensor) -> torch.Tensor:
     """Row ``j`` of the result is row ``j + 1`` of ``t``; the last row is zeros (NeMo's ``_shift_left_with_zero``)."""
     return torch.cat((t[1:], torch.zeros_like(t[:1])))
-
-
-def _side(source: CacheSource, name: str) -> dict[str, torch.Tensor]:
-    side = ShardFile(source.side_file(name))
-    return {k: side.tensor(k).clone() for k in side.keys()}
 
 
 def _dspark_shard(samples: list[dict[str, torch.Tensor]], length: int) -> dict[str, torch.Tensor]:
@@ -156,7 +152,7 @@ def _plan(cache_dir: str, to: str, layer_ids: Sequence[int] | None) -> _Plan:
             )
         ds = layers.dspark_dataset(cache_dir, layer_ids)
         ids = list(ds.fields["target_hidden_states"])
-        weights = _side(source, layers.SIDE_FILE)
+        weights = read_side_file(source.side_file(layers.SIDE_FILE), ("embed_tokens", "lm_head"))
         hidden = int(config["hidden_size"])
         nemo = {
             "target_model": config["model"],
@@ -185,11 +181,11 @@ def _plan(cache_dir: str, to: str, layer_ids: Sequence[int] | None) -> _Plan:
                 f"--supervision {config['supervision']}. Export a cache written with --supervision hidden"
             )
         ds = eagle3.Eagle3CacheDataset(cache_dir)
-        side_tensors = eagle3.read_side_file(source.side_file(eagle3.SIDE_FILE))
+        side_tensors = read_side_file(source.side_file(eagle3.SIDE_FILE))
         rows, selected, aux = side_tensors["lm_head"], side_tensors["selected_token_ids"], config["aux_layers"]
     elif source.cache_name == layers.CACHE_NAME:
         ds = layers.eagle3_dataset(cache_dir, layer_ids)
-        side_tensors = _side(source, layers.SIDE_FILE)
+        side_tensors = read_side_file(source.side_file(layers.SIDE_FILE), ("embed_tokens", "lm_head"))
         rows = side_tensors["lm_head"]
         selected, aux = torch.arange(rows.shape[0]), list(ds.fields["aux_hidden_states"])
     else:

@@ -534,7 +534,7 @@ def _speculators_import(
     config = {"method": layers.CACHE_NAME, **selection.manifest_config(target.config)}
 
     def side() -> dict[str, torch.Tensor]:
-        return layers.side_tensors(target.embed_tokens.to(features), target.lm_head.to(features))
+        return layers.side_tensors(target.embed_tokens.to(features), target.lm_head.to(features), tied=False)
 
     return _Import(
         layers.CACHE_NAME, schema, config, entries, skipped, side, layers.SIDE_FILE, lambda e: load(e.source_row, True)

@@ -55,7 +55,18 @@ from torch.utils.data import DataLoader, Sampler
 from speccache.data import SOURCE_ROW_KEY, TokenizedSamples, source_row_spec
 from speccache.errors import CacheFormatError, ConfigMismatchError
 from speccache.format import LENGTHS_KEY, STAT_PREFIX, KeySpec, Schema, ShardFile, tensor_checksum
-from speccache.methods.base import CaptureRequest, LoadedTarget, MethodPlan, PrePass, model_config_hash, text_config
+from speccache.methods.base import (
+    CaptureRequest,
+    LoadedTarget,
+    MethodPlan,
+    PrePass,
+    model_config_hash,
+    read_side_file,
+    stores_head,
+    text_config,
+    tied_metadata,
+    ties_embeddings,
+)
 from speccache.methods.decoder import Capture, decoder_layers, forward_capturing
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
 from speccache.read import CacheDataset, PadCollator, Sample
@@ -245,55 +256,19 @@ def vocab_mapping(selected: torch.Tensor, vocab_size: int) -> dict[str, torch.Te
 # ---------------------------------------------------------------------------
 # the side file
 
-# The side-file metadata entry of a tied target (absent before tied targets were stored once).
-TIED_KEY = "tie_word_embeddings"
-
-
-def ties_embeddings(model_config: Any) -> bool:
-    """Whether the target's config ties its LM head to its input embedding (transformers' ``tie_word_embeddings``)."""
-    return bool(getattr(model_config, TIED_KEY, False))
-
 
 def side_metadata(tied: bool) -> dict[str, str]:
     """The side file's safetensors metadata; ``tied``: the target's config ties its head to its embedding."""
-    return {"speccache_side": CACHE_NAME, **({TIED_KEY: "true"} if tied else {})}
+    return {"speccache_side": CACHE_NAME, **tied_metadata(tied)}
 
 
 def side_tensors(
     embed_tokens: torch.Tensor, lm_head: torch.Tensor, selected: torch.Tensor, vocab_size: int, tied: bool
 ) -> dict[str, torch.Tensor]:
     """The side file's tensors from the target's input embedding and whole LM head ``[V, H]`` and the draft
-    vocabulary. A tied target's head is left out (stored once, as ``embed_tokens``) when it is the embedding,
-    as transformers ties them: its config says so and the checkpoint's head, if it has one, is equal."""
-    same = tied and torch.equal(lm_head, embed_tokens)
-    head = {} if same else {"lm_head": lm_head[selected].contiguous()}
+    vocabulary; a tied target's head is left out (:func:`~speccache.methods.base.stores_head`)."""
+    head = {"lm_head": lm_head[selected].contiguous()} if stores_head(embed_tokens, lm_head, tied) else {}
     return {"embed_tokens": embed_tokens.contiguous(), **head, **vocab_mapping(selected, vocab_size)}
-
-
-def read_side_file(path: str, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
-    """The tensors ``names`` (default: all) of an EAGLE-3 side file, as copies; a tied target's file that
-    stores the matrix once gives ``lm_head`` as the draft rows of ``embed_tokens``, the tensor an untied
-    file stores, so every reader sees the same tensors.
-
-    Raises:
-        CacheFormatError: a named tensor the file does not hold.
-    """
-    side = ShardFile(path)
-    try:
-        tied = side.metadata.get(TIED_KEY) == "true" and "lm_head" not in side.keys()
-        stored = list(side.keys()) + (["lm_head"] if tied else [])
-        missing = sorted(set(names or ()) - set(stored))
-        if missing:
-            raise CacheFormatError(
-                f"{path}: the side file lacks {missing} (it holds {sorted(stored)}), which this reader needs; "
-                "use a cache written by speccache precompute"
-            )
-        out = {name: side.tensor(name).clone() for name in side.keys() if names is None or name in names}
-        if tied and (names is None or "lm_head" in names):
-            out["lm_head"] = side.tensor("embed_tokens")[side.tensor("selected_token_ids")]
-        return out
-    finally:
-        side.close()
 
 
 # ---------------------------------------------------------------------------

@@ -27,7 +27,9 @@ default K=5 spread by the home project's ``build_target_layer_ids``),
 too shallow for 5 distinct ones, see :func:`dflash_layer_ids`)
 and ``mtp`` (the last hidden state only). The side file ``layers_side.safetensors``
 holds the target's ``embed_tokens`` ``[V, H]`` and ``lm_head`` ``[V, H]`` (what a
-DSpark trainer initialises from, and what turns ``last_hidden_state`` into logits).
+DSpark trainer initialises from, and what turns ``last_hidden_state`` into logits); for a tied target
+(``tie_word_embeddings``) it stores the matrix once, records the tying in its metadata, and
+:func:`~speccache.methods.base.read_side_file` gives ``lm_head`` as ``embed_tokens``.
 
 Readers (:class:`LayerFeatureDataset` and the per-method builders) pick what a
 method needs from any cache holding it and fail at open, naming the layers
@@ -48,7 +50,17 @@ from torch.utils.data import DataLoader, Sampler
 from speccache.data import SOURCE_ROW_KEY, source_row_spec
 from speccache.errors import CacheFormatError
 from speccache.format import LENGTHS_KEY, KeySpec, Schema
-from speccache.methods.base import CaptureRequest, LoadedTarget, MethodPlan, PrePass, text_config
+from speccache.methods.base import (
+    TIED_KEY,
+    CaptureRequest,
+    LoadedTarget,
+    MethodPlan,
+    PrePass,
+    stores_head,
+    text_config,
+    tied_metadata,
+    ties_embeddings,
+)
 from speccache.methods.decoder import Capture, decoder_layers, forward_capturing
 from speccache.methods.eagle3 import Supervision, default_aux_layers
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
@@ -318,9 +330,11 @@ class LayersTarget:
         return out
 
 
-def side_tensors(embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The side file's tensors from the target's input embeddings ``[V, H]`` and its whole LM head ``[V, H]``."""
-    return {"embed_tokens": embed_tokens.contiguous(), "lm_head": lm_head.contiguous()}
+def side_tensors(embed_tokens: torch.Tensor, lm_head: torch.Tensor, tied: bool) -> dict[str, torch.Tensor]:
+    """The side file's tensors from the target's input embeddings ``[V, H]`` and its whole LM head ``[V, H]``;
+    a tied target's head is left out (:func:`~speccache.methods.base.stores_head`)."""
+    head = {"lm_head": lm_head.contiguous()} if stores_head(embed_tokens, lm_head, tied) else {}
+    return {"embed_tokens": embed_tokens.contiguous(), **head}
 
 
 class LayersMethod:
@@ -364,6 +378,7 @@ class LayersMethod:
             ),
             draft_vocab_size=int(text.vocab_size),
             settings=selection,
+            side_metadata=tied_metadata(ties_embeddings(model_config)),
         )
 
     def prepare(self, plan: MethodPlan, data: PrePass) -> None:
@@ -382,8 +397,9 @@ class LayersMethod:
         return LayersTarget(loaded.model, plan.settings, dtype, nonfinite, capture)
 
     def side_tensors(self, plan: MethodPlan, loaded: LoadedTarget, prepared: None) -> dict[str, torch.Tensor]:
-        """The whole ``embed_tokens`` and ``lm_head``."""
-        return side_tensors(loaded.input_embeddings(), loaded.output_embeddings())
+        """The whole ``embed_tokens`` and ``lm_head`` (once for a tied target)."""
+        tied = TIED_KEY in plan.side_metadata
+        return side_tensors(loaded.input_embeddings(), loaded.output_embeddings(), tied)
 
 
 LAYERS = LayersMethod()
