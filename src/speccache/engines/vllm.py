@@ -14,10 +14,10 @@ vLLM's continuous batching composes its batches as it sees fit, so features agre
 across runs, within floating-point tolerance rather than byte for byte.
 
 Under ``torchrun`` every rank runs an engine of its own over its share of the shards (data parallelism, as the
-``hf`` engine's ``--shard-target replicate``). vLLM would otherwise adopt the rank's ``torch.distributed`` group
-as its own world (its in-process worker finds it initialised) and read torchrun's variables: so a rank's engine
-core runs in a process vLLM spawns, started without those variables and with the rank's own devices
-(:func:`rank_environment`), and its states come back over the connector's socket.
+``hf`` engine's ``--shard-target replicate``). Started in the rank's process, vLLM would adopt the rank's
+``torch.distributed`` group as its own world (its worker finds it initialised), destroy it at shutdown, and read
+torchrun's variables: so a rank's engine core runs in a process vLLM spawns, started without those variables and
+with the rank's own devices (:func:`rank_environment`), and its states come back over the connector's socket.
 """
 
 from __future__ import annotations
