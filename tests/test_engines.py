@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from speccache.cli import main
 from speccache.demo import demo_data_path
 from speccache.engines.hf import load_outer_modules
-from speccache.engines.vllm import VllmEngine, vllm_layer_ids
+from speccache.engines.vllm import VllmEngine, rank_environment, vllm_layer_ids
 from speccache.methods.decoder import final_norm, forward_capturing
 from speccache.methods.eagle3 import Eagle3Target, Supervision
 from speccache.methods.layers import LayersTarget, preset_selection
@@ -93,6 +93,8 @@ def test_an_engine_capture_with_the_checkpoints_norm_gives_the_hf_features(llama
         (["--tensor-parallel-size", "2"], "--tensor-parallel-size is vLLM's"),
         (["--engine", "vllm", "--shard-target", "fsdp"], "--engine vllm parallelises the target itself"),
         (["--engine", "vllm", "--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
+        (["--enable-expert-parallel"], "--enable-expert-parallel is vLLM's"),
+        (["--engine", "vllm", "--enable-expert-parallel"], "--tensor-parallel-size 2 or more"),
     ],
 )
 def test_bad_engine_flags_are_refused_before_loading(tiny_models, tmp_path, capsys, extra, message):
@@ -109,3 +111,43 @@ def test_engine_vllm_without_vllm_names_the_install_and_the_alternative(tiny_mod
     err = capsys.readouterr().err
     assert "pip install speccache[vllm]" in err and "--engine hf" in err
     assert not (tmp_path / "o").exists()
+
+
+TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node1",
+            "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x", "PATH": "/bin"}  # fmt: skip
+
+
+def test_a_rank_engine_starts_in_its_own_process_without_torchrun_variables():
+    env, _ = rank_environment(1, 2, 1, TORCHRUN, gpus=0, cpus=[0, 1])
+    assert {k for k, v in env.items() if v is None} == set(TORCHRUN) - {"PATH"}
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert "VLLM_PORT" not in env
+    env, _ = rank_environment(1, 2, 1, {**TORCHRUN, "VLLM_PORT": "30000"}, gpus=0, cpus=[0, 1])
+    assert env["VLLM_PORT"] == "30050"  # ranks' engines starting at once scan ports of their own
+
+
+def test_rank_r_takes_gpus_r_times_t_onwards():
+    env, args = rank_environment(1, 2, 4, TORCHRUN, gpus=8, cpus=[0])
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7" and args == {}
+    env, _ = rank_environment(1, 2, 2, {**TORCHRUN, "CUDA_VISIBLE_DEVICES": "7,6,5,4"}, gpus=4, cpus=[0])
+    assert env["CUDA_VISIBLE_DEVICES"] == "5,4"
+    # a rank already given exactly its T GPUs keeps them
+    env, _ = rank_environment(1, 2, 2, {**TORCHRUN, "CUDA_VISIBLE_DEVICES": "2,3"}, gpus=2, cpus=[0])
+    assert "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_too_few_gpus_for_the_ranks_engines_are_refused():
+    with pytest.raises(ValueError, match="need 16 GPUs .* it has 8: launch torchrun --nproc-per-node 1"):
+        rank_environment(0, 2, 8, TORCHRUN, gpus=8, cpus=[0])
+
+
+def test_cpu_ranks_bind_their_workers_to_their_share_of_the_cores():
+    env, args = rank_environment(1, 2, 2, TORCHRUN, gpus=0, cpus=list(range(8)))
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "4,5|6,7"
+    assert args == {"gpu_memory_utilization": 0.45}  # half of vLLM's 0.9 of the host memory each
+    env, args = rank_environment(0, 2, 1, {**TORCHRUN, "VLLM_CPU_KVCACHE_SPACE": "1"}, gpus=0, cpus=[0, 1])
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and args == {}
+    env, _ = rank_environment(0, 2, 1, {**TORCHRUN, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}, gpus=0, cpus=[0, 1])
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env  # the user's binding stands
+    with pytest.raises(ValueError, match="need 4 CPUs"):
+        rank_environment(0, 2, 2, TORCHRUN, gpus=0, cpus=[0, 1])

@@ -35,6 +35,7 @@ from speccache.data import chat_format
 from speccache.data.regenerated import REGENERATE_FORMAT, REGENERATE_NAME, read_progress
 from speccache.demo.real_target import build_real_model_dir, real_target_gguf
 from speccache.engines.hf import Checkpoint, check_shard_target, check_tp_plan
+from speccache.engines.vllm import rank_environment
 from speccache.format import MANIFEST_NAME, KeySpec, Manifest, ShardFile, shard_path, write_safetensors
 from speccache.format.encoding import get_encoding
 from speccache.format.lock import LOCK_NAME
@@ -399,6 +400,10 @@ TRIGGERS: dict[str, T] = {
     "--tensor-parallel-size must be >= 1": lambda e: _engine_flags(engine="vllm", tensor_parallel_size=0),
     "--threads must be >= 1": lambda e: _engine_flags(threads=0),
     "--threads is the hf engine's": lambda e: _engine_flags(engine="vllm", threads=1),
+    "--enable-expert-parallel is vLLM's": lambda e: _engine_flags(enable_expert_parallel=True),
+    "--enable-expert-parallel spreads a mixture of experts' experts": lambda e: _engine_flags(engine="vllm", enable_expert_parallel=True),
+    "GPUs (rank r takes GPUs": lambda e: rank_environment(0, 2, 8, {}, gpus=8, cpus=[0]),
+    "CPUs (a core per vLLM worker)": lambda e: rank_environment(0, 2, 2, {}, gpus=0, cpus=[0, 1]),
     # --shard-target / --tp-size
     "--shard-target": lambda e: check_shard_target("zero"),
     "runs under torchrun (it shards the target over the ranks)": lambda e: check_shard_target("tp", None, 1),

@@ -9,16 +9,24 @@ accelerator backend``); this one copies synchronously, on any device.
 Where vLLM's tensor-parallel rank 0 worker runs in the starting process (one rank: speccache runs vLLM's
 engine core in process), the states go straight into :data:`DELIVERED`. With more ranks vLLM's workers are
 processes of their own: rank 0 then sends each request's states over a Unix socket that :func:`listen` serves
-in the starting process, and a thread there puts them into :data:`DELIVERED`.
+in the starting process, and a thread there puts them into :data:`DELIVERED`. So do the engine cores of torchrun's
+ranks, each in a process of its own.
+
+In every process but the starting one (an engine core, a worker) the connector asks the kernel to kill the process
+when its parent dies: vLLM's processes outlive a rank that was killed (SIGKILL) otherwise, holding its devices.
 """
 
 from __future__ import annotations
 
+import ctypes
 import io
 import os
+import signal
 import socket
 import struct
+import sys
 import threading
+from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
@@ -53,6 +61,16 @@ def listen(path: str) -> None:
     threading.Thread(target=accept, daemon=True).start()
 
 
+def _die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent exits (Linux; elsewhere nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent was gone before the request
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class _Copied:
     """A finished copy, as the stock connector's CUDA event reports one."""
 
@@ -68,6 +86,11 @@ class InProcessHiddenStatesConnector(ExampleHiddenStatesConnector):
     """
 
     _socket: socket.socket | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if os.getpid() != self._kv_transfer_config.get_from_extra_config("speccache_pid", None):
+            _die_with_parent()
 
     def _submit_async_write(self, pending: PendingSave) -> None:
         if not self._is_tp_rank_zero:

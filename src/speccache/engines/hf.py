@@ -123,10 +123,16 @@ class HfEngine:
 
     @classmethod
     def check_flags(cls, cfg: Any) -> None:
-        """Check ``--shard-target``, ``--tp-size`` and ``--threads``; refuse vLLM's ``--tensor-parallel-size``."""
+        """Check ``--shard-target``, ``--tp-size`` and ``--threads``; refuse vLLM's ``--tensor-parallel-size`` and
+        ``--enable-expert-parallel``."""
         check_shard_target(cfg.shard_target, cfg.tp_size)
         if cfg.tensor_parallel_size != 1:
             raise ValueError("--tensor-parallel-size is vLLM's: use it with --engine vllm (or --shard-target tp)")
+        if cfg.enable_expert_parallel:
+            raise ValueError(
+                "--enable-expert-parallel is vLLM's: use it with --engine vllm (the hf engine spreads a mixture of "
+                "experts over torchrun's ranks with --shard-target fsdp or tp)"
+            )
         if cfg.threads is not None and cfg.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {cfg.threads}")
 

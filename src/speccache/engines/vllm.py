@@ -12,16 +12,23 @@ from the checkpoint), so its result is what the ``hf`` engine's ``last_hidden_st
 
 vLLM's continuous batching composes its batches as it sees fit, so features agree with the ``hf`` engine's, and
 across runs, within floating-point tolerance rather than byte for byte.
+
+Under ``torchrun`` every rank runs an engine of its own over its share of the shards (data parallelism, as the
+``hf`` engine's ``--shard-target replicate``). Started in the rank's process, vLLM would adopt the rank's
+``torch.distributed`` group as its own world (its worker finds it initialised), destroy it at shutdown, and read
+torchrun's variables: so a rank's engine core runs in a process vLLM spawns, started without those variables and
+with the rank's own devices (:func:`rank_environment`), and its states come back over the connector's socket.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,12 +38,28 @@ from speccache.engines.hf import check_shard_target, load_outer_modules
 from speccache.methods.base import CaptureRequest, LoadedTarget
 from speccache.methods.decoder import Capture, decoder_layers, final_norm
 from speccache.write import Comm, DataParallelGroups
+from speccache.write.dist import agree
 
-__all__ = ["VllmEngine", "VllmPrecomputeEngine", "check_vllm_target", "vllm_layer_ids", "vllm_version"]
+__all__ = [
+    "VllmEngine",
+    "VllmPrecomputeEngine",
+    "check_vllm_target",
+    "rank_environment",
+    "vllm_layer_ids",
+    "vllm_version",
+]
 
 _CONNECTOR = "speccache.engines._vllm_connector"
 _HANDOFF_TIMEOUT_S = 120
 _DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# What torchrun sets for its ranks; vLLM reads them (its external_launcher executor, envs.LOCAL_RANK, the env://
+# rendezvous), and a rank's own engine is no part of that world.
+_TORCHRUN_VARIABLES = frozenset(
+    {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+     "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"}
+)  # fmt: skip
+_PORTS_PER_ENGINE = 50  # a VLLM_PORT given to every rank: each engine scans its own range from it
+_CPU_MEMORY_SHARE = 0.9  # vLLM's default gpu_memory_utilization, which on a CPU build is a share of host memory
 
 
 def vllm_layer_ids(decoder_outputs: Iterable[int], embeddings: bool, num_layers: int) -> list[int]:
@@ -106,6 +129,89 @@ def check_vllm_target(model_config: Any) -> str:
     return found
 
 
+def rank_environment(
+    local_rank: int,
+    local_world_size: int,
+    tensor_parallel_size: int,
+    environ: Mapping[str, str],
+    gpus: int,
+    cpus: Sequence[int],
+) -> tuple[dict[str, str | None], dict[str, Any]]:
+    """What the vLLM engine of torchrun's local rank ``local_rank`` (of ``local_world_size`` on its node) starts
+    with: an engine core of its own process, none of torchrun's variables, and the rank's own devices.
+
+    On a GPU node (``gpus`` > 0) rank ``r`` takes GPUs ``r*T .. r*T+T-1`` of those ``CUDA_VISIBLE_DEVICES`` lists
+    (all ``gpus`` when unset); a ``CUDA_VISIBLE_DEVICES`` of exactly ``T`` GPUs is the user's choice for this
+    rank and is kept. A ``VLLM_PORT`` becomes rank ``r``'s ``VLLM_PORT + 50 r``, so that engines starting at
+    once do not scan the same ports. On a CPU, rank ``r`` binds its ``T`` workers' threads to its share of
+    ``cpus`` (this process's affinity; ``VLLM_CPU_OMP_THREADS_BIND`` when the user set it), and without
+    ``VLLM_CPU_KVCACHE_SPACE`` sizes its KV cache from its share of the host memory, not vLLM's 90 % of it.
+
+    Returns:
+        The variables to set around vLLM's start-up (``None``: removed) and further ``vllm.LLM`` arguments.
+
+    Raises:
+        ValueError: the node has too few GPUs (or CPUs) for ``local_world_size`` engines of ``T`` workers.
+    """
+    t = tensor_parallel_size
+    env: dict[str, str | None] = {k: None for k in environ if k in _TORCHRUN_VARIABLES or k.startswith("TORCHELASTIC_")}
+    # An engine core in a process of its own, spawned: a forked one would inherit this rank's process group.
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    if environ.get("VLLM_PORT"):  # otherwise each engine takes ports the kernel hands out
+        env["VLLM_PORT"] = str(int(environ["VLLM_PORT"]) + local_rank * _PORTS_PER_ENGINE)
+    engine_args: dict[str, Any] = {}
+    if gpus:
+        visible = environ.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible else [str(i) for i in range(gpus)]
+        if visible and len(devices) == t:
+            return env, engine_args
+        if len(devices) < local_world_size * t:
+            raise ValueError(
+                f"--engine vllm under torchrun: {local_world_size} ranks on this node with --tensor-parallel-size "
+                f"{t} need {local_world_size * t} GPUs (rank r takes GPUs r*{t} .. r*{t}+{t - 1}), and it has "
+                f"{len(devices)}: launch torchrun --nproc-per-node {max(len(devices) // t, 1)}, lower "
+                "--tensor-parallel-size, or give each rank a CUDA_VISIBLE_DEVICES of its own"
+            )
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[local_rank * t : (local_rank + 1) * t])
+        return env, engine_args
+    if "VLLM_CPU_KVCACHE_SPACE" not in environ:
+        engine_args["gpu_memory_utilization"] = _CPU_MEMORY_SHARE / local_world_size
+    if "VLLM_CPU_OMP_THREADS_BIND" in environ:
+        return env, engine_args
+    share = len(cpus) // local_world_size
+    if share < t:
+        raise ValueError(
+            f"--engine vllm under torchrun: {local_world_size} ranks on this node with --tensor-parallel-size {t} "
+            f"need {local_world_size * t} CPUs (a core per vLLM worker), and this process may use {len(cpus)}: "
+            "launch fewer ranks (--nproc-per-node), lower --tensor-parallel-size, or set VLLM_CPU_OMP_THREADS_BIND"
+        )
+    mine, per = list(cpus)[local_rank * share : (local_rank + 1) * share], share // t
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        ",".join(str(c) for c in mine[w * per : (w + 1) * per]) for w in range(t)
+    )
+    return env, engine_args
+
+
+@contextlib.contextmanager
+def _environment(changes: Mapping[str, str | None]) -> Iterator[None]:
+    """``os.environ`` with ``changes`` (``None``: removed) inside the block, as it was after it."""
+    saved = {k: os.environ.get(k) for k in changes}
+
+    def apply(values: Mapping[str, str | None]) -> None:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    apply(changes)
+    try:
+        yield
+    finally:
+        apply(saved)
+
+
 class VllmEngine:
     """A vLLM instance that returns the hidden states of fixed layer ids for token sequences.
 
@@ -117,6 +223,8 @@ class VllmEngine:
         tensor_parallel_size: vLLM's tensor parallelism.
         handoff: ``auto`` (in memory where vLLM's rank 0 worker runs in this process, else over a Unix socket) or
             ``socket`` (always over the socket).
+        environment: ``None``: vLLM's engine core runs in this process; else the variables (``None``: removed)
+            that its own process starts with (:func:`rank_environment`), set in this process only around start-up.
         engine_args: further ``vllm.LLM`` arguments (e.g. ``enable_prefix_caching``).
     """
 
@@ -129,10 +237,12 @@ class VllmEngine:
         max_model_len: int,
         tensor_parallel_size: int = 1,
         handoff: str = "auto",
+        environment: Mapping[str, str | None] | None = None,
         **engine_args: Any,
     ) -> None:
         self.model = model
         self.handoff = handoff
+        self.environment = environment
         self.layer_ids = sorted(set(layer_ids))
         self.engine_args = {
             "dtype": _DTYPES[dtype],
@@ -146,15 +256,21 @@ class VllmEngine:
         """Start vLLM (tens of seconds); :meth:`hidden_states` starts it when first called."""
         if self.llm is not None:
             return
-        # The connector hands the states over in the caller's process: vLLM's engine core must run in it.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if self.environment is None:
+            # The states are handed over in memory where the engine core, and its one worker, run in this process.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM, SamplingParams
 
         connector = importlib.import_module(_CONNECTOR)
         self._socket_dir = tempfile.mkdtemp(prefix="speccache-vllm-")
         handoff_socket = os.path.join(self._socket_dir, "states.sock")
         connector.listen(handoff_socket)
-        self.llm = LLM(
+        with _environment(self.environment or {}):
+            self.llm = self._start(LLM, handoff_socket)
+        self.sampling = SamplingParams(max_tokens=1)
+
+    def _start(self, llm_class: Any, handoff_socket: str) -> Any:
+        return llm_class(
             model=self.model,
             speculative_config={
                 "method": "extract_hidden_states",
@@ -174,7 +290,6 @@ class VllmEngine:
             },
             **self.engine_args,
         )
-        self.sampling = SamplingParams(max_tokens=1)
 
     def hidden_states(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Per sequence, its states ``[T, len(layer_ids), H]`` on the CPU, in ``layer_ids`` order."""
@@ -185,7 +300,8 @@ class VllmEngine:
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in s]) for s in sequences]
         outputs = self.llm.generate(prompts, self.sampling, use_tqdm=False)
         # A request's states are copied out at the engine step after it finished, which generate() does not take
-        # (and from another process they arrive on the socket thread a moment later).
+        # (and from another process they arrive on the socket thread a moment later). An engine core in a process
+        # of its own takes that step itself (its scheduler keeps stepping while the connector holds a request).
         deadline = time.monotonic() + _HANDOFF_TIMEOUT_S
         while None in (keys := [_request_key(o.request_id, delivered) for o in outputs]):
             if time.monotonic() > deadline:
@@ -193,7 +309,8 @@ class VllmEngine:
                     f"vLLM returned no hidden states for {keys.count(None)} of {len(outputs)} prompts in "
                     f"{_HANDOFF_TIMEOUT_S} s"
                 )
-            self.llm.llm_engine.step()
+            if self.environment is None:
+                self.llm.llm_engine.step()
             time.sleep(0.001)
         states = [delivered.pop(k) for k in keys]
         for seq, s in zip(sequences, states):
@@ -244,8 +361,11 @@ class VllmPrecomputeEngine:
     method requests, and the target's modules outside its decoder layers, read on the CPU, for what the method
     applies itself (the final norm, the LM head) and the side file.
 
+    Under ``torchrun`` each rank's engine computes the rank's shards (:func:`rank_environment`); every rank writes
+    its own, as under the ``hf`` engine's ``--shard-target replicate``.
+
     Raises:
-        ValueError: a world of more than one process (vLLM spreads the target over its own workers).
+        ValueError: a node with too few devices for its ranks' engines (on every rank).
     """
 
     name = "vllm"
@@ -255,7 +375,7 @@ class VllmPrecomputeEngine:
     @classmethod
     def check_flags(cls, cfg: Any) -> None:
         """Refuse the hf engine's ``--shard-target`` (vLLM parallelises the target itself) and ``--threads``;
-        check ``--tensor-parallel-size``."""
+        check ``--tensor-parallel-size`` and ``--enable-expert-parallel``."""
         check_shard_target(cfg.shard_target, cfg.tp_size)
         if cfg.shard_target != "replicate":
             raise ValueError(
@@ -266,6 +386,14 @@ class VllmPrecomputeEngine:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {cfg.tensor_parallel_size}")
         if cfg.threads is not None:  # vLLM's workers run the target, not this process's torch threads
             raise ValueError("--threads is the hf engine's: vLLM chooses its workers' threads; drop --threads")
+        if cfg.enable_expert_parallel and cfg.tensor_parallel_size < 2:
+            # torchrun's ranks are engines of their own: the experts spread over one engine's workers only.
+            raise ValueError(
+                "--enable-expert-parallel spreads a mixture of experts' experts over one engine's "
+                "--tensor-parallel-size workers (torchrun's ranks are engines of their own), and "
+                f"--tensor-parallel-size is {cfg.tensor_parallel_size}: give --tensor-parallel-size 2 or more, "
+                "or drop --enable-expert-parallel"
+            )
 
     @classmethod
     def check_model(cls, cfg: Any, model_config: Any, world_size: int) -> None:
@@ -273,12 +401,23 @@ class VllmPrecomputeEngine:
         check_vllm_target(model_config)
 
     def __init__(self, cfg: Any, comm: Comm) -> None:
+        self.cfg, self.world_size = cfg, comm.world_size
+        self.environment: dict[str, str | None] | None = None
+        self.engine_args: dict[str, Any] = {}
         if comm.world_size > 1:
-            raise ValueError(
-                f"--engine vllm runs as one process (vLLM spreads the target over its own workers), not under "
-                f"torchrun (world size {comm.world_size}): run it without torchrun, with --tensor-parallel-size"
-            )
-        self.cfg = cfg
+
+            def settings() -> tuple[dict[str, str | None], dict[str, Any]]:
+                cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+                return rank_environment(
+                    int(os.environ.get("LOCAL_RANK", comm.rank)),
+                    int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size)),
+                    cfg.tensor_parallel_size,
+                    os.environ,
+                    torch.cuda.device_count(),
+                    cpus or list(range(os.cpu_count() or 1)),
+                )
+
+            self.environment, self.engine_args = agree(comm, settings)  # a refusal on one rank stops them all
         self.engine: VllmEngine | None = None
         self._capture: Capture | None = None
 
@@ -294,6 +433,9 @@ class VllmPrecomputeEngine:
             dtype=cfg.model_dtype,
             max_model_len=max_tokens + 1,  # the longest prompt and its one sampled token
             tensor_parallel_size=cfg.tensor_parallel_size,
+            environment=self.environment,
+            **({"enable_expert_parallel": True} if cfg.enable_expert_parallel else {}),
+            **self.engine_args,
         )
         self._capture = self.engine.capture(final_norm(loaded.model), num_layers)
         return loaded
@@ -315,12 +457,16 @@ class VllmPrecomputeEngine:
             self.engine.close()
 
     def record(self) -> dict[str, Any]:
-        """``engine``: vLLM's version and tensor-parallel size (informational, as the parallel settings)."""
+        """``engine``: vLLM's version and the parallel settings: the data-parallel size (torchrun's world, an
+        engine per rank), the tensor-parallel size and expert parallelism (informational: a resume may change
+        them)."""
         return {
             "engine": {
                 "name": self.name,
                 "version": vllm_version(),
+                "data_parallel_size": self.world_size,
                 "tensor_parallel_size": self.cfg.tensor_parallel_size,
+                "enable_expert_parallel": self.cfg.enable_expert_parallel,
             }
         }
 

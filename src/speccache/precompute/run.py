@@ -197,6 +197,7 @@ class PrecomputeConfig:
     tp_size: int | None = None
     engine: str = "hf"
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     threads: int | None = None
 
     @classmethod
@@ -246,6 +247,7 @@ class PrecomputeConfig:
             tp_size=getattr(args, "tp_size", None),
             engine=getattr(args, "engine", "hf"),
             tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+            enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
             threads=getattr(args, "threads", None),
         )
         cfg.check()
@@ -841,7 +843,16 @@ def register_commands(sub: Any) -> None:
         "see docs/engines.md)",
     )
     p.add_argument(
-        "--tensor-parallel-size", type=int, default=1, help="--engine vllm: vLLM's tensor-parallel size (default 1)"
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="--engine vllm: vLLM's tensor-parallel size (default 1); under torchrun, each rank's engine's",
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="--engine vllm: vLLM's expert parallelism (a mixture of experts' experts spread over the "
+        "--tensor-parallel-size GPUs of each engine)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(func=cmd_precompute)
