@@ -125,10 +125,12 @@ def draft_loss(
     view = draft_view(batch, head)
     slots = torch.arange(view["mask"].shape[1], device=view["mask"].device)
     losses = []
-    for a, logits in enumerate(draft(view["hidden"].float(), view["input_ids"], steps)):
+    for a, states in enumerate(draft.states(view["hidden"].float(), view["input_ids"], steps)):
         mask = view["mask"] & (slots >= a)
-        per_slot = -(view["target"].float() * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
-        losses.append((per_slot * mask).sum() / mask.sum().clamp_min(1))
+        # the head runs on the counted slots only: prompts and padding (a quarter to a half of chat data) are not
+        logits = draft.logits(states[mask])
+        per_slot = -(view["target"][mask].float() * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+        losses.append(per_slot.sum() / mask.sum().clamp_min(1))
     weights = step_decay ** torch.arange(len(losses), dtype=torch.float32)
     return (torch.stack(losses) * weights).sum() / weights.sum()
 
