@@ -4,9 +4,9 @@
 
 It builds the draft and the length-grouped batches exactly as ``train`` does (seed 0), runs ``--steps`` optimizer
 steps of the acceptance recipe (lr 2e-3, step decay 0.8, gradients clipped) on one thread, and prints the wall
-and CPU milliseconds per token (the batches' real tokens, padding not counted), the load average, and the losses,
-so that two versions of the trainer can be compared for speed and for identical results (run it with
-``PYTHONPATH`` set to each version's ``src``). The first step is not timed (one-time allocations).
+and CPU milliseconds per token (the batches' real tokens, padding not counted), the peak memory, the load average
+and the losses, so that two versions of the trainer can be compared for speed and for identical results (run it
+with ``PYTHONPATH`` set to each version's ``src``). The first step is not timed (one-time allocations).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import resource
 import time
 
 import torch
@@ -46,8 +47,12 @@ def main() -> None:
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     tokens = sum(int(b["attention_mask"].sum()) for b in batches[1:])
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"{args.steps} steps, {tokens} tokens (--ttt-steps {args.ttt_steps}, batches of {args.batch_size}):")
-    print(f"  {1000 * wall / tokens:.3f} ms/token wall, {1000 * cpu / tokens:.3f} ms/token CPU; load average {load}")
+    print(
+        f"  {1000 * wall / tokens:.3f} ms/token wall, {1000 * cpu / tokens:.3f} ms/token CPU, peak RSS {peak:.0f} MiB"
+    )
+    print(f"  load average {load}")
     print("  losses " + " ".join(f"{loss:.9g}" for loss in losses))
 
 
