@@ -393,6 +393,7 @@ TRIGGERS: dict[str, T] = {
     "must be a positive weight ratio": _train(step_decay=0.0),
     "must be a share of the steps": _train(warmup=1.0),
     "is not a draft that speccache train wrote": _foreign_draft,
+    "is unknown; choose cpu or cuda": _train(device="tpu"),
     # --engine
     "--engine": lambda e: _engine_flags(engine="sglang"),
     "--engine vllm parallelises the target": lambda e: _engine_flags(engine="vllm", shard_target="fsdp"),

@@ -27,6 +27,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         step_decay=args.step_decay,
         intermediate_size=args.intermediate_size,
+        device=args.device,
         log=lambda line: print(line, flush=True),
     )
     first = sum(result.losses[:10]) / max(1, len(result.losses[:10]))
@@ -114,6 +115,7 @@ def register_commands(sub: Any) -> None:
         help="loss weight of each training-time-test step relative to the one before (default 1: the plain mean)",
     )
     p.add_argument("--intermediate-size", type=int, default=None, help="the draft's MLP width (default 2 * hidden)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest on a busy CPU)")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("evaluate", help="measure a draft's acceptance: teacher-forced on a cache, and real decoding")

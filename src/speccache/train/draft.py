@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import Cache, LlamaConfig
+from transformers import Cache, DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from speccache.format.durable import atomic_write
@@ -181,22 +181,30 @@ class Eagle3Draft(nn.Module):
         """Draft-vocabulary logits of output states."""
         return self.lm_head(self.norm(states))
 
-    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, steps: int = 1) -> list[torch.Tensor]:
-        """Logits ``[B, T, Vd]`` of each training-time-test step over aligned slots (``draft_view``'s ``hidden``
-        ``[B, T, 3H]`` and ``input_ids`` ``[B, T]``); step ``a``'s slots ``j < a`` have no chain and mean nothing."""
-        batch, length = input_ids.shape
+    def states(self, hidden: torch.Tensor, input_ids: torch.Tensor, steps: int = 1) -> list[torch.Tensor]:
+        """Output states ``[B, T, H]`` of each training-time-test step over aligned slots (``draft_view``'s
+        ``hidden`` ``[B, T, 3H]`` and ``input_ids`` ``[B, T]``); step ``a``'s slots ``j < a`` have no chain and
+        mean nothing.
+
+        Step ``a`` runs the layer over its own slots only: the keys and values of the steps before it are in a
+        cache, and their queries' outputs would be theirs again (no query attends to a later step).
+        """
+        length = input_ids.shape[1]
         embeds = self.embed_tokens(input_ids.long())
         slots = torch.arange(length, device=input_ids.device)
-        states = [self.fc(hidden.to(self.fc.weight.dtype))]
-        logits = []
+        state = self.fc(hidden.to(self.fc.weight.dtype))
+        cache = DynamicCache()
+        outs = []
         for a in range(steps):
-            mask = chain_mask(length, a + 1, input_ids.device)
-            out = self.layer(embeds.repeat(1, a + 1, 1), torch.cat(states, dim=1), slots.repeat(a + 1), mask)
-            out = out[:, a * length :]
-            logits.append(self.logits(out))
+            mask = chain_mask(length, a + 1, input_ids.device)[a * length :]
+            outs.append(self.layer(embeds, state, slots, mask, cache))
             # the next step reads this step's state one slot later
-            states.append(torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1))
-        return logits
+            state = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], dim=1)
+        return outs
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, steps: int = 1) -> list[torch.Tensor]:
+        """Logits ``[B, T, Vd]`` of each training-time-test step (see :meth:`states`)."""
+        return [self.logits(state) for state in self.states(hidden, input_ids, steps)]
 
 
 def check_new_draft_dir(out: str) -> None:

@@ -202,7 +202,8 @@ def speculative_generate(
     """Greedy decoding of ``prompt`` verified chain by chain; ``(new tokens, target forwards)``.
 
     With ``proposer`` None it is plain greedy decoding (one token per forward). Stops after an eos token or
-    ``max_new_tokens`` tokens.
+    ``max_new_tokens`` tokens; every forward counted emitted at least one of the new tokens (tau = tokens /
+    forwards >= 1).
     """
     from transformers import DynamicCache
 
@@ -223,12 +224,11 @@ def speculative_generate(
         if len(drafted) > m:
             cache.crop(-(len(drafted) - m))
         aux = torch.cat([aux, new_aux[: m + 1]])
-        tokens += [*drafted[:m], choice[m]]
-    new = tokens[len(prompt) :][:max_new_tokens]
-    for i, token in enumerate(new):
-        if token in eos:
-            return new[: i + 1], forwards
-    return new, forwards
+        emitted = [*drafted[:m], choice[m]]
+        # an accepted eos ends the output there; the loop stops, so no forward is counted for tokens dropped after it
+        ends = [i for i, token in enumerate(emitted) if token in eos]
+        tokens += emitted[: ends[0] + 1] if ends else emitted
+    return tokens[len(prompt) :], forwards
 
 
 def acceptance(correct: Sequence[torch.Tensor], mask: torch.Tensor) -> dict[str, Any]:

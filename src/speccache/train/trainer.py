@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ __all__ = [
     "draft_loss",
     "lr_factor",
     "make_optimizer",
+    "resolve_device",
     "train",
     "train_steps",
 ]
@@ -125,11 +127,13 @@ def draft_loss(
     view = draft_view(batch, head)
     slots = torch.arange(view["mask"].shape[1], device=view["mask"].device)
     losses = []
-    for a, logits in enumerate(draft(view["hidden"].float(), view["input_ids"], steps)):
+    for a, states in enumerate(draft.states(view["hidden"].float(), view["input_ids"], steps)):
         mask = view["mask"] & (slots >= a)
-        per_slot = -(view["target"].float() * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
-        losses.append((per_slot * mask).sum() / mask.sum().clamp_min(1))
-    weights = step_decay ** torch.arange(len(losses), dtype=torch.float32)
+        # the head runs on the counted slots only: prompts and padding (a quarter to a half of chat data) are not
+        logits = draft.logits(states[mask])
+        per_slot = -(view["target"][mask].float() * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+        losses.append(per_slot.sum() / mask.sum().clamp_min(1))
+    weights = step_decay ** torch.arange(len(losses), dtype=torch.float32, device=losses[0].device)
     return (torch.stack(losses) * weights).sum() / weights.sum()
 
 
@@ -175,6 +179,21 @@ def lr_factor(step: int, total: int, warmup: float) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
 
 
+def resolve_device(device: str | None) -> torch.device:
+    """The device to train on: ``device`` (``cpu``, ``cuda`` or ``cuda:N``), else CUDA when available, else the CPU.
+
+    Raises:
+        ValueError: an unknown device, or CUDA where torch sees no GPU.
+    """
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", device):
+        raise ValueError(f"--device {device!r} is unknown; choose cpu or cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is visible to this process; use --device cpu")
+    return torch.device(device)
+
+
 @dataclass
 class TrainResult:
     """What :func:`train` did: the loss of every step, the number of steps and the seconds it took."""
@@ -197,18 +216,19 @@ def train(
     warmup: float = 0.05,
     step_decay: float = 1.0,
     intermediate_size: int | None = None,
+    device: str | None = None,
     log: Callable[[str], None] | None = None,
 ) -> TrainResult:
     """Train a fresh draft on ``cache_dir`` and save it to ``out`` (see :mod:`speccache.train.draft`).
 
     ``warmup`` is the share of the steps the learning rate warms up over before its cosine decay, ``step_decay``
     the weight ratio of consecutive training-time-test steps in the loss, ``intermediate_size`` the draft's MLP
-    width (default twice the hidden size).
+    width (default twice the hidden size), ``device`` where to train (see :func:`resolve_device`).
 
     Raises:
         FileExistsError: ``out`` already holds a draft (checked before training).
         ValueError: a non-positive ``epochs``, ``batch_size``, ``ttt_steps``, ``lr``, ``max_steps``,
-            ``step_decay`` or ``intermediate_size``, or a ``warmup`` outside [0, 1).
+            ``step_decay`` or ``intermediate_size``, a ``warmup`` outside [0, 1), or an unusable ``device``.
     """
     counts = {"--epochs": epochs, "--batch-size": batch_size, "--ttt-steps": ttt_steps, "--max-steps": max_steps}
     for name, value in counts.items():
@@ -222,9 +242,11 @@ def train(
         raise ValueError(f"--step-decay {step_decay} must be a positive weight ratio")
     if not 0 <= warmup < 1:
         raise ValueError(f"--warmup {warmup} must be a share of the steps in [0, 1)")
+    where = resolve_device(device)
     check_new_draft_dir(out)
     torch.manual_seed(seed)
     draft, head = draft_for_cache(cache_dir, intermediate_size)
+    draft, head = draft.to(where), head.to(where)
     optimizer = make_optimizer(draft, lr)
     dataset = Eagle3CacheDataset(cache_dir, keys=["input_ids"])
     base = reader_sampler(dataset, shuffle=True, distributed=False, seed=seed)
@@ -245,7 +267,7 @@ def train(
         left = total - len(losses)
         if left <= 0:
             break
-        batches = itertools.islice(loader, left)
+        batches = ({k: v.to(where, non_blocking=True) for k, v in b.items()} for b in itertools.islice(loader, left))
         losses += train_steps(draft, batches, head, optimizer, ttt_steps, report, scheduler, step_decay)
     seconds = time.monotonic() - started
     trained = {
@@ -263,5 +285,5 @@ def train(
         "target": Eagle3CacheDataset(cache_dir, keys=["input_ids"]).manifest.config.get("model"),
         "training": {**trained, "steps": len(losses), "final_loss": losses[-1]},
     }
-    save_draft(draft, out, extra)
+    save_draft(draft.cpu(), out, extra)
     return TrainResult(losses, len(losses), seconds)
