@@ -1,6 +1,6 @@
 """``speccache regenerate --engine vllm`` on the tiny Llama (fp32, greedy): the ids ``--engine hf`` generates,
-answers cut at --max-new-tokens flagged, rows precompute caches, a killed run resumed to the uninterrupted
-run's parts, and the refusals.
+answers cut at --max-new-tokens flagged, rows precompute caches, a killed sampled run resumed to the
+uninterrupted run's parts, and the refusals.
 
 The target is the tiny Llama with its LM head's row of ``<|end|>`` made 1.05 times the row of a token its greedy
 answers reach (768): where that token would lead with a positive score, ``<|end|>`` leads by 5 %, far from a
@@ -69,6 +69,16 @@ def vllm_run(target, tmp_path_factory):
     return out
 
 
+SAMPLED = ["--engine", "vllm", "--temperature", "1.0", "--top-k", "50", "--top-p", "0.9"]
+
+
+@pytest.fixture(scope="module")
+def sampled_run(target, tmp_path_factory):
+    out = tmp_path_factory.mktemp("regen") / "sampled"
+    assert main(_argv(target, out, *SAMPLED)) == 0
+    return out
+
+
 def test_greedy_vllm_generates_the_hf_ids(hf_run, vllm_run):
     rows = _rows(vllm_run)
     assert len(rows) == 10
@@ -123,10 +133,12 @@ def test_a_resume_with_another_engine_is_refused(hf_run, target, capsys):
     assert {n: (hf_run / n).read_bytes() for n in os.listdir(hf_run)} == before
 
 
-def test_a_killed_vllm_run_resumes_to_the_uninterrupted_parts(vllm_run, target, tmp_path):
-    """SIGKILL once the second part is in place but not yet in the record; --resume generates it again."""
+def test_a_killed_sampled_vllm_run_resumes_to_the_uninterrupted_parts(sampled_run, vllm_run, target, tmp_path):
+    """SIGKILL once the second part is in place but not yet in the record; --resume generates it again, in another
+    process, to the same sampled answers (the per-request seeds; vLLM's in-process scheduling)."""
+    assert _parts(sampled_run) != _parts(vllm_run)  # the answers were sampled
     out = tmp_path / "killed"
-    argv = _argv(target, out, "--engine", "vllm")
+    argv = _argv(target, out, *SAMPLED)
     kill = (
         "import os, signal, sys\n"
         "from speccache.format import durable\n"
@@ -146,7 +158,7 @@ def test_a_killed_vllm_run_resumes_to_the_uninterrupted_parts(vllm_run, target, 
     record = json.loads((out / "regenerate.json").read_text())
     assert record["complete"] is False and [p["name"] for p in record["parts"]] == ["part-00000.jsonl"]
     assert main([*argv, "--resume"]) == 0
-    assert _parts(out) == _parts(vllm_run)
+    assert _parts(out) == _parts(sampled_run)
     from speccache.engines.vllm_generate import VllmGenerator
 
     with mock.patch.object(VllmGenerator, "_start", side_effect=AssertionError("vLLM started")):

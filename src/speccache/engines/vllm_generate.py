@@ -42,7 +42,11 @@ class _TurnSeeds:
         self.seed, self.turn = seed, 0
 
     def next(self) -> int:
-        seed = self.seed if self.turn == 0 else xxhash.xxh64_intdigest(f"{self.seed}:{self.turn}") & ((1 << 63) - 1)
+        seed = (
+            self.seed
+            if self.turn == 0
+            else xxhash.xxh64_intdigest(f"{self.seed}:{self.turn}".encode()) & ((1 << 63) - 1)
+        )
         self.turn += 1
         return seed
 
