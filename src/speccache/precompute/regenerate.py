@@ -458,7 +458,9 @@ def add_regenerate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-split", default=None, help="the split of a saved DatasetDict")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file to use instead of the tokenizer's")
     p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per answer (default 256)")
-    p.add_argument("--batch-size", type=int, default=16, help="rows per generation batch (default 16)")
+    p.add_argument(
+        "--batch-size", type=int, default=16, help="rows per generation batch (default 16; vllm: its max_num_seqs)"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampled")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: off)")
