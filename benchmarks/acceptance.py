@@ -194,7 +194,7 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=0.05)
     p.add_argument("--step-decay", type=float, default=0.8)
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS and --threads of every stage")
-    p.add_argument("--engine", default="hf", help="precompute's engine (vllm: run in .venv-vllm)")
+    p.add_argument("--engine", default="hf", help="regenerate's and precompute's engine (vllm: run in .venv-vllm)")
     p.add_argument("--model", default=None, help="the target (default: SmolLM2-135M-Instruct, built once)")
     p.add_argument("--work", default=None, help="work directory (default bench-out/acceptance[-quick])")
     p.add_argument("--out", default=None, help="markdown file whose acceptance section is replaced (or appended)")
@@ -228,6 +228,7 @@ def main() -> None:
             sys.exit(f"acceptance: the prompt set has {written} {split} prompts, fewer than the {rows} asked for")
         regen = ["regenerate", "--model", model, "--data", prompts, "--out", os.path.join(work, f"regen-{split}")]
         regen += ["--max-new-tokens", str(args.max_new_tokens), "--model-dtype", "bfloat16", "--part-size", "64"]
+        regen += ["--engine", args.engine]
         stages.run(f"regen-{split}", regen, os.path.join(work, f"regen-{split}"), env)
         # the command names the prompts file, not how many rows it held when the stage ran
         regenerated = _regenerated(os.path.join(work, f"regen-{split}"))["rows"]

@@ -5,6 +5,7 @@ run resumes to the same bytes; other settings and foreign directories are refuse
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import os
 import shutil
@@ -21,8 +22,8 @@ from speccache.cli import main
 from speccache.data import ChatFormat, load_chat_tokenizer
 from speccache.data.template import split_generated_reasoning, text_after_turn
 from speccache.demo import demo_data_path, ensure_demo_target
+from speccache.engines.hf_generate import Sampling, generate_batch
 from speccache.errors import CacheExistsError, DataError
-from speccache.precompute.regenerate import Sampling, generate_batch
 from speccache.read import CacheDataset
 from speccache.regenerate import RegenerateConfig, regenerate
 
@@ -249,15 +250,31 @@ def test_refusals(greedy, target, tmp_path, capsys):
         assert _regenerate(target, tmp_path / "bad", *flags) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
-    with pytest.raises(ValueError, match="--engine vllm is not implemented"):
-        regenerate(RegenerateConfig(target, demo_data_path("openai"), str(tmp_path / "v"), engine="vllm"))
+    assert _regenerate(target, tmp_path / "v", "--engine", "vllm", "--device", "cpu") == 2
+    assert "--device cpu is the hf engine's" in capsys.readouterr().err
+    assert not (tmp_path / "v").exists()
     ids = tmp_path / "ids.jsonl"
     ids.write_text(json.dumps({"input_ids": [1, 2], "loss_mask": [0, 1]}) + "\n")
-    import speccache.precompute.regenerate as module
+    import speccache.engines.hf_generate as module
 
     with mock.patch.object(module, "load_target", side_effect=AssertionError("the model was loaded")):
         with pytest.raises(DataError, match="regenerate needs chat rows"):  # found before the model loads
             regenerate(RegenerateConfig(target, str(ids), str(tmp_path / "i")))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_engine_vllm_without_vllm_is_refused_before_anything_is_written(target, tmp_path, capsys):
+    assert _regenerate(target, tmp_path / "v", "--engine", "vllm", *FLAGS) == 2
+    err = capsys.readouterr().err
+    assert "speccache regenerate: error: --engine vllm needs vLLM" in err and "Traceback" not in err
+    assert not (tmp_path / "v").exists()
+
+
+def test_the_record_names_the_engine_and_its_version(greedy):
+    import transformers
+
+    settings = json.loads((greedy / "regenerate.json").read_text())["settings"]
+    assert (settings["engine"], settings["engine_version"]) == ("hf", transformers.__version__)
 
 
 def test_reads_sharegpt_rows_from_a_compressed_file(target, tmp_path):
@@ -342,7 +359,7 @@ DEMO_QWEN3_LIKE = (  # the same shape in the demo tokenizer's tokens
 def test_thinking_answers_fill_reasoning_content_and_the_history_keeps_the_ids(target, tmp_path, monkeypatch):
     """A model that thinks (scripted here: the demo target cannot) under a template that renders reasoning only in
     its last turn: each answer's block goes to reasoning_content, and the next prompt follows the ids it wrote."""
-    import speccache.precompute.regenerate as module
+    import speccache.engines.hf_generate as module
 
     tokenizer = load_chat_tokenizer(target)
     said: list[list[int]] = []

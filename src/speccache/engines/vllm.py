@@ -43,8 +43,11 @@ from speccache.write.dist import agree
 __all__ = [
     "VllmEngine",
     "VllmPrecomputeEngine",
+    "check_cpu_head_size",
     "check_vllm_target",
     "rank_environment",
+    "run_engine_core_here",
+    "shutdown_llm",
     "vllm_layer_ids",
     "vllm_version",
 ]
@@ -105,7 +108,6 @@ def check_vllm_target(model_config: Any) -> str:
     found = vllm_version()
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_eagle3
-    from vllm.platforms import current_platform
 
     architectures = list(getattr(model_config, "architectures", None) or [])
     classes = [ModelRegistry._try_load_model_cls(a) for a in architectures]
@@ -115,6 +117,18 @@ def check_vllm_target(model_config: Any) -> str:
             f"{', '.join(architectures) or type(model_config).__name__} (its extract_hidden_states method needs "
             "a model class with EAGLE-3 aux-layer support); use --engine hf"
         )
+    check_cpu_head_size(model_config, found)
+    return found
+
+
+def check_cpu_head_size(model_config: Any, found: str) -> None:
+    """Refuse, on a CPU build of vLLM (version ``found``), a target whose head size its attention has no kernel for.
+
+    Raises:
+        ValueError: names the supported sizes and ``--engine hf``.
+    """
+    from vllm.platforms import current_platform
+
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     if current_platform.is_cpu():
@@ -126,7 +140,19 @@ def check_vllm_target(model_config: Any) -> str:
                 f"--engine vllm: vLLM {found}'s CPU attention supports head sizes {sizes}, and this target's is "
                 f"{head_dim}; use --engine hf (or a GPU)"
             )
-    return found
+
+
+def run_engine_core_here() -> None:
+    """Have the next ``vllm.LLM`` run its engine core in this process (no engine process to start, so no spawn
+    guard is needed in the caller's script, and one process schedules every request)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+def shutdown_llm(llm: Any) -> None:
+    """Shut a ``vllm.LLM``'s engine and workers down."""
+    shutdown = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "shutdown", None)
+    if shutdown is not None:
+        shutdown()
 
 
 def rank_environment(
@@ -258,7 +284,7 @@ class VllmEngine:
             return
         if self.environment is None:
             # The states are handed over in memory where the engine core, and its one worker, run in this process.
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            run_engine_core_here()
         from vllm import LLM, SamplingParams
 
         connector = importlib.import_module(_CONNECTOR)
@@ -348,10 +374,7 @@ class VllmEngine:
         """Shut vLLM down (its engine and workers), if it was started."""
         if self.llm is None:
             return
-        engine = getattr(self.llm, "llm_engine", None)
-        shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        shutdown_llm(self.llm)
         self.llm = None
         shutil.rmtree(self._socket_dir, ignore_errors=True)
 

@@ -8,12 +8,13 @@ next generation prompt (:func:`speccache.data.template.text_after_turn`), and ``
 the generated ids. ``messages`` holds the text (reasoning split into ``reasoning_content`` where the template
 separates it). Precompute reads the directory as data and caches the ids (docs/data.md).
 
-Generation is this module's own loop over the model with a KV cache, batched with left padding, each part's
-rows sorted by prompt length; every row samples with its own ``torch.Generator`` seeded from ``--seed`` and
-the row's number, so what a row gets does not depend on the rows batched with it. Rows are written in input
-order, in parts of ``part_size`` rows (``part-00000.jsonl``...), each atomically and followed by the progress
-record ``regenerate.json`` (:mod:`speccache.data.regenerated`), so a killed run resumes with ``--resume`` to
-the same bytes.
+Generation is the ``--engine``'s generator (:mod:`speccache.engines.generation`; ``hf``: a transformers loop
+with a KV cache, ``vllm``: vLLM), given each round's prompts of a part sorted by prompt length; every row
+samples with its own stream seeded from ``--seed`` and the row's number, so what a row gets does not depend on
+the rows generated with it. Rows are written in input order, in parts of ``part_size`` rows
+(``part-00000.jsonl``...), each atomically and followed by the progress record ``regenerate.json``
+(:mod:`speccache.data.regenerated`), so a killed run resumes with ``--resume`` to the same bytes (``vllm``:
+where vLLM reproduces its answers, see :mod:`speccache.engines.vllm_generate`).
 """
 
 from __future__ import annotations
@@ -43,18 +44,17 @@ from speccache.data.regenerated import (
     read_progress,
 )
 from speccache.data.template import ChatFormat, split_generated_reasoning, text_after_turn
-from speccache.engines.base import target_device
-from speccache.engines.hf import load_target
+from speccache.engines.generation import GenerationSettings, Generator
+from speccache.engines.registry import GENERATORS, generator_class
 from speccache.errors import CacheCorruptError, CacheExistsError, ConfigMismatchError, DataError
 from speccache.format import durable
 from speccache.format.durable import ensure_writable_dir, file_checksum, remove_temp_files, writes_to
 from speccache.format.lock import CacheLock
 
-__all__ = ["ENGINES", "MODEL_DTYPES", "RegenerateConfig", "RegenerateResult", "regenerate", "register_commands"]
+__all__ = ["MODEL_DTYPES", "RegenerateConfig", "RegenerateResult", "regenerate", "register_commands"]
 
 log = logging.getLogger("speccache.regenerate")
 
-ENGINES = ("hf",)
 MODEL_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 RESUME_SETTINGS = (
     "model",
@@ -74,8 +74,8 @@ RESUME_SETTINGS = (
     "engine",
     "part_size",
 )
-"""What a ``--resume`` compares with the run it continues (the batch size and device are not among them: a
-row's output does not depend on them, up to floating-point rounding)."""
+"""What a ``--resume`` compares with the run it continues (the batch size, device and engine version are not
+among them: a row's output does not depend on them, up to floating-point rounding)."""
 _FLAG = {"model_config_hash": "--model (its config.json)", "tokenizer_hash": "--model (its tokenizer)"}
 _FLAG |= {"data_hash": "--data (its content)", "chat_template_hash": "--chat-template"}
 
@@ -109,13 +109,6 @@ class RegenerateConfig:
         Raises:
             ValueError: a setting out of range, naming the flag.
         """
-        if self.engine == "vllm":
-            raise ValueError(
-                "--engine vllm is not implemented for regenerate yet; use --engine hf (the default), which runs "
-                "the target with transformers on --device"
-            )
-        if self.engine not in ENGINES:
-            raise ValueError(f"--engine {self.engine!r} is unknown; choose hf")
         if self.model_dtype not in MODEL_DTYPES:
             raise ValueError(f"--model-dtype {self.model_dtype!r} is unknown; choose one of {', '.join(MODEL_DTYPES)}")
         for name in ("max_new_tokens", "batch_size", "part_size"):
@@ -133,6 +126,7 @@ class RegenerateConfig:
             raise ValueError(f"--device {self.device!r} is unknown; choose cpu or cuda")
         if self.device is not None and self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device {self.device}: no CUDA device is visible to this process; use --device cpu")
+        generator_class(self.engine).check_flags(self)
 
 
 @dataclass
@@ -156,89 +150,6 @@ def row_seed(seed: int, row: int) -> int:
     return xxhash.xxh64_intdigest(f"{seed}:{row}".encode()) & ((1 << 63) - 1)
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """How the next token is chosen: greedy (``temperature`` 0) or sampled with top-k and top-p."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-    def choose(self, logits: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-        """One token per row of ``logits [B, V]``; a sampled row draws one uniform from its own generator."""
-        if self.temperature == 0:
-            return logits.argmax(-1)
-        scores = logits.float().cpu() / self.temperature
-        if self.top_k > 0:
-            kth = torch.topk(scores, min(self.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        if self.top_p < 1:
-            ordered, order = probs.sort(dim=-1, descending=True)
-            # keep the smallest prefix whose mass reaches top_p (its first token always)
-            drop = ordered.cumsum(-1) - ordered >= self.top_p
-            probs = probs.scatter(-1, order, ordered.masked_fill(drop, 0.0))
-        cdf = probs.double().cumsum(-1)
-        draws = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
-        chosen = torch.searchsorted(cdf, (draws * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
-        return chosen.clamp(max=probs.shape[-1] - 1).to(logits.device)
-
-
-@torch.inference_mode()
-def generate_batch(
-    model: Any,
-    prompts: list[list[int]],
-    generators: list[torch.Generator],
-    sampling: Sampling,
-    max_new_tokens: int,
-    stop_ids: frozenset[int],
-    pad_id: int,
-) -> list[tuple[list[int], bool]]:
-    """Generate for left-padded ``prompts`` with a KV cache; per prompt ``(new ids, ended)``.
-
-    ``ended``: the model emitted a stop token (the last id); otherwise the answer was cut at ``max_new_tokens``.
-    """
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        ids[i, width - len(prompt) :] = torch.tensor(prompt)
-        attention[i, width - len(prompt) :] = 1
-    ids, attention = ids.to(device), attention.to(device)
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
-    logits = model(
-        input_ids=ids, attention_mask=attention, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
-    ).logits
-    out: list[list[int]] = [[] for _ in prompts]
-    open_rows = list(range(len(prompts)))  # the prompts still answering, in the order of the batch's rows
-    stops = torch.tensor(sorted(stop_ids), device=device)
-    position = positions[:, -1:]
-    for step in range(max_new_tokens):
-        # only open rows draw: a row's generator carries over to its next turn, whoever it was batched with
-        chosen = sampling.choose(logits[:, -1], [generators[i] for i in open_rows])
-        ended = torch.isin(chosen, stops).tolist()
-        for i, token in zip(open_rows, chosen.tolist()):
-            out[i].append(token)
-        if all(ended) or step == max_new_tokens - 1:
-            break
-        if any(ended):
-            # rows that ended leave the batch (their cache rows too), so the forwards shrink as answers end
-            keep = torch.tensor([k for k, stop in enumerate(ended) if not stop], device=device)
-            cache.batch_select_indices(keep)
-            attention, position, chosen = attention[keep], position[keep], chosen[keep]
-            open_rows = [i for i, stop in zip(open_rows, ended) if not stop]
-        position = position + 1
-        attention = torch.cat([attention, attention.new_ones((len(open_rows), 1))], dim=-1)
-        logits = model(
-            input_ids=chosen.unsqueeze(-1), attention_mask=attention, position_ids=position, cache=cache, use_cache=True
-        ).logits
-    return [(o, bool(o) and o[-1] in stop_ids) for o in out]
-
-
 # ---------------------------------------------------------------------------
 # rows
 
@@ -247,7 +158,7 @@ class _Row:
     """One data row being regenerated: the messages so far, the exact ids and mask, what is left to answer."""
 
     def __init__(
-        self, number: int, source_row: int, where: str, row: dict, fmt: ChatFormat, tokenizer: Any, seed: int
+        self, number: int, source_row: int, where: str, row: dict, fmt: ChatFormat, tokenizer: Any, stream: Any
     ) -> None:
         if "messages" not in row and "conversations" not in row:
             raise DataError(
@@ -263,7 +174,7 @@ class _Row:
         self.mask: list[int] = []
         self.turns = 0
         self.truncated_turn: int | None = None
-        self.generator = torch.Generator().manual_seed(row_seed(seed, number))
+        self.stream = stream  # the generator's sampling state of this row, from row_seed
         self.prompt_text = ""
         self.done = False  # nothing is left to generate
         self._advance()
@@ -316,27 +227,15 @@ class _Row:
         return row
 
 
-def _part_rows(
-    rows: list[_Row], model: Any, sampling: Sampling, config: RegenerateConfig, stop_ids: frozenset[int], pad_id: int
-) -> None:
-    """Generate every turn of ``rows``: each round answers every row's next turn, shortest prompts batched together."""
+def _part_rows(rows: list[_Row], generator: Generator) -> None:
+    """Generate every turn of ``rows``: each round answers every row's next turn, the shortest prompts first (the
+    ``hf`` generator batches neighbours, so prompts of like lengths are padded together)."""
     while True:
         todo = sorted((r for r in rows if not r.done), key=lambda r: (len(r.ids), r.number))
         if not todo:
             return
-        for start in range(0, len(todo), config.batch_size):
-            batch = todo[start : start + config.batch_size]
-            answers = generate_batch(
-                model,
-                [r.ids for r in batch],
-                [r.generator for r in batch],
-                sampling,
-                config.max_new_tokens,
-                stop_ids,
-                pad_id,
-            )
-            for r, (new_ids, ended) in zip(batch, answers):
-                r.answer(new_ids, ended)
+        for r, (new_ids, ended) in zip(todo, generator.generate([r.ids for r in todo], [r.stream for r in todo])):
+            r.answer(new_ids, ended)
 
 
 # ---------------------------------------------------------------------------
@@ -362,6 +261,7 @@ def _settings(config: RegenerateConfig, fmt: ChatFormat, tokenizer: Any) -> dict
         "limit": config.limit,
         "model_dtype": config.model_dtype,
         "engine": config.engine,
+        "engine_version": generator_class(config.engine).version(),
         "part_size": config.part_size,
     }
 
@@ -456,12 +356,7 @@ def _run(config: RegenerateConfig, fmt: ChatFormat, tokenizer: Any, out: str, re
     done = len(record["parts"])
     rows = itertools.islice(_rows(config), done * config.part_size, None)
 
-    def next_part() -> list[_Row]:
-        return [_Row(*r, fmt, tokenizer, config.seed) for r in itertools.islice(rows, config.part_size)]
-
-    states = next_part()  # a bad row of the first part fails before the model loads
-    model = load_target(config.model, MODEL_DTYPES[config.model_dtype], target_device(config.device)).model
-    stop_ids = _stop_ids(model, tokenizer)
+    stop_ids = _stop_ids(config.model, tokenizer)
     if record.setdefault("stop_ids", sorted(stop_ids)) != sorted(stop_ids):
         raise ConfigMismatchError(
             f"--resume: the target's end-of-answer ids are {sorted(stop_ids)} (generation_config.json, tokenizer) "
@@ -469,29 +364,53 @@ def _run(config: RegenerateConfig, fmt: ChatFormat, tokenizer: Any, out: str, re
             "or regenerate into a new --out"
         )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
-    sampling = Sampling(config.temperature, config.top_p, config.top_k)
+    settings = GenerationSettings(
+        config.model,
+        MODEL_DTYPES[config.model_dtype],
+        config.device,
+        config.batch_size,
+        config.max_new_tokens,
+        config.temperature,
+        config.top_p,
+        config.top_k,
+        config.seed,
+        stop_ids,
+        pad_id,
+    )
+    generator = generator_class(config.engine)(settings)  # it starts the target at its first answer
+
+    def next_part() -> list[_Row]:
+        return [
+            _Row(number, source_row, where, row, fmt, tokenizer, generator.stream(row_seed(config.seed, number)))
+            for number, source_row, where, row in itertools.islice(rows, config.part_size)
+        ]
+
+    states = next_part()  # a bad row of the first part fails before the target starts
     bar = tqdm(total=config.limit, unit="row", desc="regenerate", disable=not config.progress, dynamic_ncols=True)
     bar.update(done * config.part_size)
-    with bar:
-        while states:
-            _part_rows(states, model, sampling, config, stop_ids, pad_id)
-            lines = "".join(json.dumps(s.to_json(), ensure_ascii=False) + "\n" for s in states).encode("utf-8")
-            name = part_name(len(record["parts"]))
-            durable.atomic_write(os.path.join(out, name), functools.partial(_write_file, data=lines))
-            record["parts"].append(
-                {
-                    "name": name,
-                    "rows": len(states),
-                    "xxh3_128": xxhash.xxh3_128_hexdigest(lines),
-                    "turns": sum(s.turns for s in states),
-                    "generated_tokens": sum(sum(s.mask) for s in states),
-                    "truncated_rows": sum(s.truncated_turn is not None for s in states),
-                }
-            )
-            record["counts"] = _counts(record)
-            _write_record(out, record)
-            bar.update(len(states))
-            states = next_part()
+    try:
+        with bar:
+            while states:
+                _part_rows(states, generator)
+                lines = "".join(json.dumps(s.to_json(), ensure_ascii=False) + "\n" for s in states).encode("utf-8")
+                name = part_name(len(record["parts"]))
+                durable.atomic_write(os.path.join(out, name), functools.partial(_write_file, data=lines))
+                record["parts"].append(
+                    {
+                        "name": name,
+                        "rows": len(states),
+                        "xxh3_128": xxhash.xxh3_128_hexdigest(lines),
+                        "turns": sum(s.turns for s in states),
+                        "generated_tokens": sum(sum(s.mask) for s in states),
+                        "truncated_rows": sum(s.truncated_turn is not None for s in states),
+                    }
+                )
+                record["counts"] = _counts(record)
+                _write_record(out, record)
+                bar.update(len(states))
+                states = next_part()
+    finally:
+        generator.close()
     record["complete"] = True
     record["counts"] = _counts(record)
     _write_record(out, record)
@@ -502,14 +421,25 @@ def _counts(record: dict[str, Any]) -> dict[str, int]:
     return {k: sum(p[k] for p in record["parts"]) for k in keys}
 
 
-def _stop_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    """The tokens that end an answer: the generation config's eos ids and the tokenizer's eos."""
+def _stop_ids(model: str, tokenizer: Any) -> frozenset[int]:
+    """The tokens that end an answer: the generation config's eos ids and the tokenizer's eos.
+
+    The generation config is read as transformers reads a loaded model's (``generation_config.json``, else the
+    one ``config.json`` gives), so every ``--engine`` stops where the transformers model would, and the target
+    need not be loaded to know it.
+    """
+    from transformers import GenerationConfig
+
+    try:
+        generation = GenerationConfig.from_pretrained(model)
+    except OSError:
+        generation = GenerationConfig.from_pretrained(model, config_file_name="config.json", _from_model_config=True)
     ids: set[int] = set()
-    for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+    for value in (getattr(generation, "eos_token_id", None), tokenizer.eos_token_id):
         ids |= set(value) if isinstance(value, list) else {value} if value is not None else set()
     if not ids:
         raise DataError(
-            f"--model {model.name_or_path}: the target has no end-of-sequence token (neither its "
+            f"--model {model}: the target has no end-of-sequence token (neither its "
             "generation_config nor its tokenizer names one), so regenerate cannot tell where an answer ends; "
             "set eos_token_id in its generation_config.json"
         )
@@ -528,7 +458,9 @@ def add_regenerate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-split", default=None, help="the split of a saved DatasetDict")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file to use instead of the tokenizer's")
     p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per answer (default 256)")
-    p.add_argument("--batch-size", type=int, default=16, help="rows per generation batch (default 16)")
+    p.add_argument(
+        "--batch-size", type=int, default=16, help="rows per generation batch (default 16; vllm: its max_num_seqs)"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampled")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: off)")
@@ -537,7 +469,9 @@ def add_regenerate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dtype", default="float32", help="float32 (default) or bfloat16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--resume", action="store_true", help="continue a killed run in --out (same settings)")
-    p.add_argument("--engine", default="hf", help="hf (default: transformers); vllm is not implemented yet")
+    p.add_argument(
+        "--engine", default="hf", choices=sorted(GENERATORS), help="hf (default: transformers' loop) or vllm (vLLM)"
+    )
     p.add_argument("--part-size", type=int, default=256, help="rows per part file (default 256)")
 
 
