@@ -47,7 +47,7 @@ def main() -> None:
     from torch.utils.data import DataLoader
 
     from speccache.demo import build_tiny_model_dir, demo_data_path
-    from speccache.engines.base import target_device
+    from speccache.devices import target_device
     from speccache.engines.hf import load_outer_modules, load_target
     from speccache.engines.vllm import VllmEngine, vllm_layer_ids, vllm_version
     from speccache.methods.decoder import final_norm

@@ -21,6 +21,7 @@ RANKS = {
     "speccache._version": 0,
     "speccache.errors": 0,
     "speccache.units": 0,
+    "speccache.devices": 0,
     "speccache.format": 1,
     "speccache.write": 2,
     "speccache.read": 2,

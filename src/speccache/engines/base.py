@@ -9,7 +9,6 @@ config before anything is loaded, an instance is one run's engine. :mod:`.regist
 
 from __future__ import annotations
 
-import os
 from collections.abc import Hashable, Mapping
 from typing import Any, Protocol
 
@@ -18,16 +17,7 @@ import torch
 from speccache.methods.base import CaptureRequest, LoadedTarget
 from speccache.write import Comm, DataParallelGroups
 
-__all__ = ["Engine", "target_device"]
-
-
-def target_device(device: str | None) -> torch.device:
-    """The target's device: ``device``, else CUDA (``cuda:LOCAL_RANK`` under torchrun) if available, else CPU."""
-    if device:
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+__all__ = ["Engine"]
 
 
 class Engine(Protocol):

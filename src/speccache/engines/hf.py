@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from speccache.engines.base import target_device
+from speccache.devices import target_device
 from speccache.methods.base import DTYPES, CaptureRequest, LoadedTarget
 from speccache.methods.decoder import decoder_layers, forward_capturing
 from speccache.write import Comm

@@ -10,16 +10,16 @@ on the rows batched with it (up to the rounding of batched matrix products).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from speccache.engines.base import target_device
+from speccache.devices import target_device
 from speccache.engines.generation import Answer, GenerationSettings
 from speccache.engines.hf import load_target
+from speccache.methods.decoder import cache_argument
 
 __all__ = ["HfGenerator", "Sampling", "generate_batch"]
 
@@ -78,9 +78,7 @@ def generate_batch(
     ids, attention = ids.to(device), attention.to(device)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
-    # transformers 5.19 takes the cache as past_key_values, later ones as cache (and swallow an unknown name, which
-    # would leave every step without the tokens before it)
-    kv = {("cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"): cache}
+    kv = cache_argument(model, cache)
     logits = model(
         input_ids=ids, attention_mask=attention, position_ids=positions, **kv, use_cache=True, logits_to_keep=1
     ).logits

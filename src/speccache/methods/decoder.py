@@ -7,13 +7,28 @@ contract (the ``vllm`` engine runs the decoder in vLLM and applies the model's o
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["Capture", "decoder_layers", "final_norm", "forward_capturing"]
+__all__ = ["Capture", "cache_argument", "decoder_layers", "final_norm", "forward_capturing"]
+
+
+def cache_argument(module: nn.Module, cache: Any) -> dict[str, Any]:
+    """The keyword that passes a KV ``cache`` to ``module``'s forward (a transformers model or attention layer):
+    ``cache`` from transformers 5.2x, ``past_key_values`` before (vLLM's environment pins 5.19). Both forwards
+    swallow unknown keywords, so the wrong name would run every step without the tokens before it, silently."""
+    return {_cache_keyword(type(module)): cache}
+
+
+@functools.cache
+def _cache_keyword(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
 
 Capture = Callable[
     [torch.Tensor, torch.Tensor, Mapping[Hashable, int], "Hashable | None"],

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from speccache.data import SOURCE_ROW_KEY, load_chat_tokenizer, tokenizer_hash
-from speccache.engines.base import target_device
+from speccache.devices import target_device
 from speccache.engines.hf import load_target
 from speccache.errors import AuditError, SpeccacheError
 from speccache.format import LENGTHS_KEY, Manifest

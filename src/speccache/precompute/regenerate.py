@@ -25,12 +25,10 @@ import itertools
 import json
 import logging
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import xxhash
 
 from speccache.data import chat_format, file_content_hash, iter_rows, load_chat_tokenizer, tokenizer_hash
@@ -44,6 +42,7 @@ from speccache.data.regenerated import (
     read_progress,
 )
 from speccache.data.template import ChatFormat, split_generated_reasoning, text_after_turn
+from speccache.devices import check_device
 from speccache.engines.generation import GenerationSettings, Generator
 from speccache.engines.registry import GENERATORS, generator_class
 from speccache.errors import CacheCorruptError, CacheExistsError, ConfigMismatchError, DataError
@@ -122,10 +121,7 @@ class RegenerateConfig:
             raise ValueError(f"--top-p must lie in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"--top-k must be >= 0 (0: no top-k), got {self.top_k}")
-        if self.device is not None and not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
-            raise ValueError(f"--device {self.device!r} is unknown; choose cpu or cuda")
-        if self.device is not None and self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"--device {self.device}: no CUDA device is visible to this process; use --device cpu")
+        check_device(self.device)
         generator_class(self.engine).check_flags(self)
 
 

@@ -41,7 +41,7 @@ from speccache.data import (
     sample_turn_spec,
     tokenizer_hash,
 )
-from speccache.engines.base import target_device
+from speccache.devices import target_device
 from speccache.engines.registry import engine_class
 from speccache.errors import DataError, SpeccacheError
 from speccache.format import LENGTHS_KEY, Manifest, Schema, load_manifest_json, manifest_path, shard_samples

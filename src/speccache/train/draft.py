@@ -32,6 +32,7 @@ from transformers import Cache, DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from speccache.format.durable import atomic_write
+from speccache.methods.decoder import cache_argument
 
 __all__ = ["DraftConfig", "Eagle3Draft", "check_new_draft_dir", "draft_record", "load_draft", "save_draft"]
 
@@ -100,7 +101,9 @@ class DraftLayer(nn.Module):
         """``[B, S, H]`` embeddings and states in, ``[B, S, H]`` states out; ``mask`` ``[S, K]`` bool (True: attend)
         over the ``K`` keys: the ``cache``'s, if given (it then gains these slots' keys and values), then these."""
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(state)], dim=-1)
-        attn, _ = self.self_attn(x, position_embeddings=rotary, attention_mask=mask[None, None], cache=cache)
+        attn, _ = self.self_attn(
+            x, position_embeddings=rotary, attention_mask=mask[None, None], **cache_argument(self.self_attn, cache)
+        )
         state = state + attn
         return state + self.mlp(self.post_attention_layernorm(state))
 

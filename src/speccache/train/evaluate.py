@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from speccache.methods.decoder import decoder_layers
+from speccache.methods.decoder import cache_argument, decoder_layers
 from speccache.methods.eagle3 import Eagle3CacheDataset, TargetHead, build_eagle3_dataloader, draft_view
 from speccache.train.draft import Eagle3Draft
 
@@ -183,7 +183,7 @@ class TargetRunner:
 
         handles = [self.layers[i].register_forward_hook(hook(i)) for i in self.aux_layers]
         try:
-            out = self.model(input_ids=torch.tensor([list(ids)]), cache=cache, use_cache=True)
+            out = self.model(input_ids=torch.tensor([list(ids)]), **cache_argument(self.model, cache), use_cache=True)
         finally:
             for handle in handles:
                 handle.remove()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Sampler
 
+from speccache.devices import target_device
 from speccache.methods.eagle3 import (
     SIDE_FILE,
     Eagle3CacheDataset,
@@ -42,7 +42,6 @@ __all__ = [
     "draft_loss",
     "lr_factor",
     "make_optimizer",
-    "resolve_device",
     "train",
     "train_steps",
 ]
@@ -179,21 +178,6 @@ def lr_factor(step: int, total: int, warmup: float) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
 
 
-def resolve_device(device: str | None) -> torch.device:
-    """The device to train on: ``device`` (``cpu``, ``cuda`` or ``cuda:N``), else CUDA when available, else the CPU.
-
-    Raises:
-        ValueError: an unknown device, or CUDA where torch sees no GPU.
-    """
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", device):
-        raise ValueError(f"--device {device!r} is unknown; choose cpu or cuda")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: no CUDA device is visible to this process; use --device cpu")
-    return torch.device(device)
-
-
 @dataclass
 class TrainResult:
     """What :func:`train` did: the loss of every step, the number of steps and the seconds it took."""
@@ -223,7 +207,7 @@ def train(
 
     ``warmup`` is the share of the steps the learning rate warms up over before its cosine decay, ``step_decay``
     the weight ratio of consecutive training-time-test steps in the loss, ``intermediate_size`` the draft's MLP
-    width (default twice the hidden size), ``device`` where to train (see :func:`resolve_device`).
+    width (default twice the hidden size), ``device`` where to train (see :func:`speccache.devices.target_device`).
 
     Raises:
         FileExistsError: ``out`` already holds a draft (checked before training).
@@ -242,7 +226,7 @@ def train(
         raise ValueError(f"--step-decay {step_decay} must be a positive weight ratio")
     if not 0 <= warmup < 1:
         raise ValueError(f"--warmup {warmup} must be a share of the steps in [0, 1)")
-    where = resolve_device(device)
+    where = target_device(device)
     check_new_draft_dir(out)
     torch.manual_seed(seed)
     draft, head = draft_for_cache(cache_dir, intermediate_size)
