@@ -95,6 +95,8 @@ def test_an_engine_capture_with_the_checkpoints_norm_gives_the_hf_features(llama
         (["--engine", "vllm", "--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
         (["--enable-expert-parallel"], "--enable-expert-parallel is vLLM's"),
         (["--engine", "vllm", "--enable-expert-parallel"], "--tensor-parallel-size 2 or more"),
+        (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization is vLLM's"),
+        (["--engine", "vllm", "--gpu-memory-utilization", "0"], "--gpu-memory-utilization must lie in (0, 1]"),
     ],
 )
 def test_bad_engine_flags_are_refused_before_loading(tiny_models, tmp_path, capsys, extra, message):

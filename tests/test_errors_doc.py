@@ -403,6 +403,8 @@ TRIGGERS: dict[str, T] = {
     "--threads is the hf engine's": lambda e: _engine_flags(engine="vllm", threads=1),
     "--enable-expert-parallel is vLLM's": lambda e: _engine_flags(enable_expert_parallel=True),
     "--enable-expert-parallel spreads a mixture of experts' experts": lambda e: _engine_flags(engine="vllm", enable_expert_parallel=True),
+    "--gpu-memory-utilization is vLLM's": lambda e: _engine_flags(gpu_memory_utilization=0.5),
+    "--gpu-memory-utilization must lie in (0, 1]": lambda e: _engine_flags(engine="vllm", gpu_memory_utilization=1.5),
     "GPUs (rank r takes GPUs": lambda e: rank_environment(0, 2, 8, {}, gpus=8, cpus=[0]),
     "CPUs (a core per vLLM worker)": lambda e: rank_environment(0, 2, 2, {}, gpus=0, cpus=[0, 1]),
     # --shard-target / --tp-size

@@ -246,6 +246,8 @@ def test_refusals(greedy, target, tmp_path, capsys):
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--model-dtype", "float16"], "--model-dtype 'float16' is unknown"),
         (["--device", "tpu"], "--device 'tpu' is unknown"),
+        (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization is vLLM's"),
+        (["--engine", "vllm", "--gpu-memory-utilization", "2"], "--gpu-memory-utilization must lie in (0, 1]"),
     ]:
         assert _regenerate(target, tmp_path / "bad", *flags) == 2
         assert message in capsys.readouterr().err

@@ -9,6 +9,7 @@ config before anything is loaded, an instance is one run's engine. :mod:`.regist
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Hashable, Mapping
 from typing import Any, Protocol
 
@@ -18,6 +19,34 @@ from speccache.methods.base import CaptureRequest, LoadedTarget
 from speccache.write import Comm, DataParallelGroups
 
 __all__ = ["Engine"]
+
+
+def check_gpu_memory_utilization(value: float | None, engine: str) -> None:
+    """``--gpu-memory-utilization``: the share of each GPU's memory (of the host's, on vLLM's CPU build) that a vLLM
+    engine takes for its weights and KV cache, in (0, 1]; another engine refuses it.
+
+    Raises:
+        ValueError: out of range, or given to an engine other than ``vllm``.
+    """
+    if value is None:
+        return
+    if engine != "vllm":
+        raise ValueError(
+            f"--gpu-memory-utilization is vLLM's: use it with --engine vllm, or drop it (--engine {engine})"
+        )
+    if not 0 < value <= 1:
+        raise ValueError(f"--gpu-memory-utilization must lie in (0, 1] (a share of the memory), got {value}")
+
+
+def add_gpu_memory_utilization_argument(p: argparse.ArgumentParser) -> None:
+    """``--gpu-memory-utilization``, of the commands that run vLLM (:func:`check_gpu_memory_utilization`)."""
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="--engine vllm: the share of each GPU's memory (on a CPU build, of the host's) each engine takes "
+        "(default: vLLM's, or under torchrun 0.9 / the ranks of a node on a CPU)",
+    )
 
 
 class Engine(Protocol):

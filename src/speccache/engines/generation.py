@@ -37,6 +37,7 @@ class GenerationSettings:
         seed: ``--seed`` (the run's; each row's own seed comes with its stream).
         stop_ids: the ids that end an answer, decided by regenerate from the target's directory.
         pad_id: the id padding a batch, where the generator pads.
+        gpu_memory_utilization: ``--gpu-memory-utilization`` (the ``vllm`` generator's; ``None``: vLLM's default).
     """
 
     model: str
@@ -50,6 +51,7 @@ class GenerationSettings:
     seed: int
     stop_ids: frozenset[int]
     pad_id: int
+    gpu_memory_utilization: float | None = None
 
 
 class Generator(Protocol):

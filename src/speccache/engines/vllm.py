@@ -142,6 +142,11 @@ def check_cpu_head_size(model_config: Any, found: str) -> None:
             )
 
 
+def _memory_share(share: float | None) -> dict[str, Any]:
+    """The ``vllm.LLM`` argument of ``--gpu-memory-utilization`` (nothing when it was not given)."""
+    return {} if share is None else {"gpu_memory_utilization": share}
+
+
 def run_engine_core_here() -> None:
     """Have the next ``vllm.LLM`` run its engine core in this process (no engine process to start, so no spawn
     guard is needed in the caller's script, and one process schedules every request)."""
@@ -458,7 +463,7 @@ class VllmPrecomputeEngine:
             tensor_parallel_size=cfg.tensor_parallel_size,
             environment=self.environment,
             **({"enable_expert_parallel": True} if cfg.enable_expert_parallel else {}),
-            **self.engine_args,
+            **{**self.engine_args, **_memory_share(cfg.gpu_memory_utilization)},  # the user's share over a rank's
         )
         self._capture = self.engine.capture(final_norm(loaded.model), num_layers)
         return loaded

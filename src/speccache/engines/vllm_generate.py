@@ -26,6 +26,7 @@ import xxhash
 from speccache.engines.generation import Answer, GenerationSettings
 from speccache.engines.vllm import (
     _DTYPES,
+    _memory_share,
     check_cpu_head_size,
     run_engine_core_here,
     shutdown_llm,
@@ -87,7 +88,13 @@ class VllmGenerator:
         run_engine_core_here()
         from vllm import LLM
 
-        self.llm = LLM(model=s.model, dtype=_DTYPES[s.dtype], seed=s.seed, max_num_seqs=s.batch_size)
+        self.llm = LLM(
+            model=s.model,
+            dtype=_DTYPES[s.dtype],
+            seed=s.seed,
+            max_num_seqs=s.batch_size,
+            **_memory_share(s.gpu_memory_utilization),
+        )
 
     def generate(self, prompts: Sequence[Sequence[int]], streams: Sequence[Any]) -> list[Answer]:
         """The answers of one ``vllm.LLM.generate`` call (vLLM starts at the first)."""

@@ -43,6 +43,7 @@ from speccache.data.regenerated import (
 )
 from speccache.data.template import ChatFormat, split_generated_reasoning, text_after_turn
 from speccache.devices import check_device
+from speccache.engines.base import add_gpu_memory_utilization_argument, check_gpu_memory_utilization
 from speccache.engines.generation import GenerationSettings, Generator
 from speccache.engines.registry import GENERATORS, generator_class
 from speccache.errors import CacheCorruptError, CacheExistsError, ConfigMismatchError, DataError
@@ -99,6 +100,7 @@ class RegenerateConfig:
     device: str | None = None
     resume: bool = False
     engine: str = "hf"
+    gpu_memory_utilization: float | None = None
     part_size: int = 256
     progress: bool = field(default=False, repr=False)
 
@@ -122,6 +124,7 @@ class RegenerateConfig:
         if self.top_k < 0:
             raise ValueError(f"--top-k must be >= 0 (0: no top-k), got {self.top_k}")
         check_device(self.device)
+        check_gpu_memory_utilization(self.gpu_memory_utilization, self.engine)
         generator_class(self.engine).check_flags(self)
 
 
@@ -372,6 +375,7 @@ def _run(config: RegenerateConfig, fmt: ChatFormat, tokenizer: Any, out: str, re
         config.seed,
         stop_ids,
         pad_id,
+        config.gpu_memory_utilization,
     )
     generator = generator_class(config.engine)(settings)  # it starts the target at its first answer
 
@@ -468,6 +472,7 @@ def add_regenerate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engine", default="hf", choices=sorted(GENERATORS), help="hf (default: transformers' loop) or vllm (vLLM)"
     )
+    add_gpu_memory_utilization_argument(p)
     p.add_argument("--part-size", type=int, default=256, help="rows per part file (default 256)")
 
 

@@ -42,6 +42,7 @@ from speccache.data import (
     tokenizer_hash,
 )
 from speccache.devices import target_device
+from speccache.engines.base import add_gpu_memory_utilization_argument, check_gpu_memory_utilization
 from speccache.engines.registry import engine_class
 from speccache.errors import DataError, SpeccacheError
 from speccache.format import LENGTHS_KEY, Manifest, Schema, load_manifest_json, manifest_path, shard_samples
@@ -198,6 +199,7 @@ class PrecomputeConfig:
     engine: str = "hf"
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    gpu_memory_utilization: float | None = None
     threads: int | None = None
 
     @classmethod
@@ -248,6 +250,7 @@ class PrecomputeConfig:
             engine=getattr(args, "engine", "hf"),
             tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
             enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
+            gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
             threads=getattr(args, "threads", None),
         )
         cfg.check()
@@ -256,6 +259,7 @@ class PrecomputeConfig:
     def check(self) -> None:
         """Check every setting that needs neither the model nor the data contents."""
         method_for(self.method).check_flags(self)
+        check_gpu_memory_utilization(self.gpu_memory_utilization, self.engine)
         check_nonfinite_mode(self.nonfinite)
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
@@ -854,5 +858,6 @@ def register_commands(sub: Any) -> None:
         help="--engine vllm: vLLM's expert parallelism (a mixture of experts' experts spread over the "
         "--tensor-parallel-size GPUs of each engine)",
     )
+    add_gpu_memory_utilization_argument(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(func=cmd_precompute)
