@@ -200,6 +200,14 @@ def test_resume_with_other_settings_names_every_difference(model_dir, reference,
     assert snapshot(reference) == before
 
 
+def test_dtypes_take_torch_names_too_and_keep_the_short_ones(model_dir):
+    cfg = precompute.PrecomputeConfig(model=model_dir, data=SHAREGPT, out="", dtype="bfloat16", model_dtype="float32")
+    cfg.check()
+    assert (cfg.dtype, cfg.model_dtype) == ("bf16", "fp32")  # what the manifest records and a resume compares
+    with pytest.raises(ValueError, match="--model-dtype 'half' is unknown; choose one of auto, bf16, fp16, fp32"):
+        precompute.PrecomputeConfig(model=model_dir, data=SHAREGPT, out="", model_dtype="half").check()
+
+
 def test_existing_cache_without_resume_is_refused(model_dir, reference, capsys, no_model_load):
     before = snapshot(reference)
     assert main(_argv(model_dir, SHAREGPT, str(reference), *BASE_FLAGS)) == 1

@@ -244,7 +244,7 @@ def test_refusals(greedy, target, tmp_path, capsys):
         (["--top-p", "0"], "--top-p must lie in"),
         (["--top-k", "-2"], "--top-k must be >= 0"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-        (["--model-dtype", "float16"], "--model-dtype 'float16' is unknown"),
+        (["--model-dtype", "int8"], "--model-dtype 'int8' is unknown; choose one of bf16, fp16, fp32"),
         (["--device", "tpu"], "--device 'tpu' is unknown"),
         (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization is vLLM's"),
         (["--engine", "vllm", "--gpu-memory-utilization", "2"], "--gpu-memory-utilization must lie in (0, 1]"),
@@ -262,6 +262,22 @@ def test_refusals(greedy, target, tmp_path, capsys):
     with mock.patch.object(module, "load_target", side_effect=AssertionError("the model was loaded")):
         with pytest.raises(DataError, match="regenerate needs chat rows"):  # found before the model loads
             regenerate(RegenerateConfig(target, str(ids), str(tmp_path / "i")))
+
+
+def test_model_dtype_takes_either_name_and_records_the_short_one(greedy, target, tmp_path):
+    out = tmp_path / "named"
+    shutil.copytree(greedy, out)
+    record = json.loads((out / "regenerate.json").read_text())
+    assert record["settings"]["model_dtype"] == "fp32"
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    assert _regenerate(target, out, *FLAGS, "--model-dtype", "float32", "--resume") == 0  # torch's name of it
+    record["settings"]["model_dtype"] = "float32"  # as runs before the short names recorded it
+    (out / "regenerate.json").write_text(json.dumps(record))
+    assert _regenerate(target, out, *FLAGS, "--resume") == 0
+    assert {n: (out / n).read_bytes() for n in os.listdir(out) if n != "regenerate.json"} == {
+        n: b for n, b in before.items() if n != "regenerate.json"
+    }
+    assert _regenerate(target, out, *FLAGS, "--model-dtype", "bfloat16", "--resume") == 1  # still compared
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")

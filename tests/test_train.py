@@ -230,3 +230,5 @@ def test_evaluate_cli_reports_both_measures(caches, trained, tmp_path, capsys):
 def test_evaluate_refuses_a_chain_of_no_tokens_by_name(caches, trained, capsys):
     assert main(["evaluate", trained[0], "--cache", caches["eval"], "--k", "0"]) == 2
     assert "speccache evaluate: error: --k 0 must be at least 1" in capsys.readouterr().err
+    assert main(["evaluate", trained[0], "--cache", caches["eval"], "--model-dtype", "half"]) == 2
+    assert "speccache evaluate: error: --model-dtype 'half' is unknown" in capsys.readouterr().err

@@ -60,7 +60,7 @@ from speccache.errors import CacheExistsError, CacheFormatError
 from speccache.format import LENGTHS_KEY, Manifest, ShardFile, shard_path, validate_contiguous_shards
 from speccache.format.durable import ensure_writable_dir, writes_to
 from speccache.methods import eagle3, layers
-from speccache.methods.base import read_side_file
+from speccache.methods.base import DTYPES, read_side_file
 from speccache.read.source import open_source
 from speccache.units import human_bytes
 from speccache.write import CacheWriter, SideFile
@@ -70,7 +70,6 @@ __all__ = ["TARGETS", "check_export_dir", "export_cache", "import_nemo_eagle3", 
 TARGETS = ("nemo-dspark", "nemo-eagle3")
 DSPARK_KEYS = ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states")
 EAGLE3_KEYS = ("input_ids", "attention_mask", "loss_mask", "aux_hidden_states", "position_mask", "target_probs")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _pad(samples: Sequence[dict[str, torch.Tensor]], key: str, length: int, dtype: torch.dtype) -> torch.Tensor:

@@ -90,7 +90,7 @@ def acceptance(
         write_prompts(prompts, split, rows)  # the same bytes on every run, so the resumes below accept them
         print(f"\n# {rows} {split} prompts of speccache.demo.prompts -> {prompts}", flush=True)
         _run(["regenerate", "--model", model, "--data", prompts, "--out", answers, "--max-new-tokens",
-              str(answer_tokens), "--batch-size", "8", "--model-dtype", "bfloat16", "--resume"])  # fmt: skip
+              str(answer_tokens), "--batch-size", "8", "--model-dtype", "bf16", "--resume"])  # fmt: skip
         # the held-out cache takes the training cache's draft vocabulary: counting its own would leak into it
         vocab = (
             ["--draft-vocab-size", str(draft_vocab_size)]

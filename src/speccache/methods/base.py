@@ -23,6 +23,8 @@ from speccache.methods.decoder import Capture
 from speccache.write import Comm
 
 __all__ = [
+    "TORCH_DTYPE_NAMES",
+    "dtype_name",
     "DTYPES",
     "CaptureRequest",
     "LoadedTarget",
@@ -42,6 +44,22 @@ __all__ = [
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """The dtype names of ``--dtype`` (storage) and ``--model-dtype`` (the target's compute, besides ``auto``)."""
+
+TORCH_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+"""torch's names of the :data:`DTYPES`, which every ``--dtype`` and ``--model-dtype`` also takes."""
+
+
+def dtype_name(name: str, flag: str, choices: Sequence[str] = tuple(DTYPES)) -> str:
+    """``name`` given to ``flag`` as a key of :data:`DTYPES` (or another of ``choices``): every command takes the
+    short names (``bf16``) and torch's (``bfloat16``), and records the short one.
+
+    Raises:
+        ValueError: neither, naming ``flag`` and ``choices``.
+    """
+    short = TORCH_DTYPE_NAMES.get(name, name)
+    if short not in choices:
+        raise ValueError(f"{flag} {name!r} is unknown; choose one of {', '.join(choices)} (or torch's names: bfloat16)")
+    return short
 
 
 def model_config_hash(model_config: Any) -> str:

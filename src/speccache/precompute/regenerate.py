@@ -50,12 +50,12 @@ from speccache.errors import CacheCorruptError, CacheExistsError, ConfigMismatch
 from speccache.format import durable
 from speccache.format.durable import ensure_writable_dir, file_checksum, remove_temp_files, writes_to
 from speccache.format.lock import CacheLock
+from speccache.methods.base import TORCH_DTYPE_NAMES, dtype_name
 
-__all__ = ["MODEL_DTYPES", "RegenerateConfig", "RegenerateResult", "regenerate", "register_commands"]
+__all__ = ["RegenerateConfig", "RegenerateResult", "regenerate", "register_commands"]
 
 log = logging.getLogger("speccache.regenerate")
 
-MODEL_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 RESUME_SETTINGS = (
     "model",
     "model_config_hash",
@@ -96,7 +96,7 @@ class RegenerateConfig:
     top_k: int = 0
     seed: int = 0
     limit: int | None = None
-    model_dtype: str = "float32"
+    model_dtype: str = "fp32"
     device: str | None = None
     resume: bool = False
     engine: str = "hf"
@@ -110,8 +110,7 @@ class RegenerateConfig:
         Raises:
             ValueError: a setting out of range, naming the flag.
         """
-        if self.model_dtype not in MODEL_DTYPES:
-            raise ValueError(f"--model-dtype {self.model_dtype!r} is unknown; choose one of {', '.join(MODEL_DTYPES)}")
+        self.model_dtype = dtype_name(self.model_dtype, "--model-dtype")
         for name in ("max_new_tokens", "batch_size", "part_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -268,11 +267,14 @@ def _settings(config: RegenerateConfig, fmt: ChatFormat, tokenizer: Any) -> dict
 def _check_resume(out: str, record: dict[str, Any], settings: dict[str, Any]) -> None:
     """Refuse a ``--resume`` with other settings, or a part that differs from its recorded checksum."""
     for name in RESUME_SETTINGS:
-        if record["settings"].get(name) != settings[name]:
+        recorded = record["settings"].get(name)
+        if name == "model_dtype":  # earlier runs recorded torch's name of it
+            recorded = TORCH_DTYPE_NAMES.get(recorded, recorded)
+        if recorded != settings[name]:
             flag = _FLAG.get(name, f"--{name.replace('_', '-')}")
             raise ConfigMismatchError(
                 f"--resume: {flag} is {settings[name]!r} but the run in {out} was started with "
-                f"{record['settings'].get(name)!r}; resume with the run's settings, or regenerate into a new --out"
+                f"{recorded!r}; resume with the run's settings, or regenerate into a new --out"
             )
     for part in record["parts"]:
         path = os.path.join(out, part["name"])
@@ -365,7 +367,7 @@ def _run(config: RegenerateConfig, fmt: ChatFormat, tokenizer: Any, out: str, re
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
     settings = GenerationSettings(
         config.model,
-        MODEL_DTYPES[config.model_dtype],
+        config.model_dtype,
         config.device,
         config.batch_size,
         config.max_new_tokens,
@@ -466,7 +468,9 @@ def add_regenerate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: off)")
     p.add_argument("--seed", type=int, default=0, help="the seed each row's generator is derived from (default 0)")
     p.add_argument("--limit", type=int, default=None, help="regenerate only the first N rows")
-    p.add_argument("--model-dtype", default="float32", help="float32 (default) or bfloat16")
+    p.add_argument(
+        "--model-dtype", default="fp32", help="the target's compute: fp32 (default), bf16 or fp16 (or torch's names)"
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--resume", action="store_true", help="continue a killed run in --out (same settings)")
     p.add_argument(

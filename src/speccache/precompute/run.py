@@ -47,7 +47,7 @@ from speccache.engines.registry import engine_class
 from speccache.errors import DataError, SpeccacheError
 from speccache.format import LENGTHS_KEY, Manifest, Schema, load_manifest_json, manifest_path, shard_samples
 from speccache.format.encoding import parse_encodings
-from speccache.methods.base import DTYPES, Method, MethodPlan, PrePass, model_config_hash, text_config
+from speccache.methods.base import DTYPES, Method, MethodPlan, PrePass, dtype_name, model_config_hash, text_config
 from speccache.methods.finite import SKIP_REASON, ClearedCounter, check_nonfinite_mode
 from speccache.methods.registry import METHODS, method_for
 from speccache.precompute.append import DATA_FIELDS, AppendedDataset, merge_stats, plan_append
@@ -261,12 +261,8 @@ class PrecomputeConfig:
         method_for(self.method).check_flags(self)
         check_gpu_memory_utilization(self.gpu_memory_utilization, self.engine)
         check_nonfinite_mode(self.nonfinite)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
-        if self.model_dtype not in ("auto", *DTYPES):
-            raise ValueError(
-                f"--model-dtype {self.model_dtype!r} is unknown; choose auto or one of {', '.join(DTYPES)}"
-            )
+        self.dtype = dtype_name(self.dtype, "--dtype")
+        self.model_dtype = dtype_name(self.model_dtype, "--model-dtype", ("auto", *DTYPES))
         if self.max_length < 2:
             raise ValueError(
                 f"--max-length must be >= 2 (a sample needs a token and its successor), got {self.max_length}"

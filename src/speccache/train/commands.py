@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from speccache.methods.base import DTYPES, dtype_name
+
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Run ``speccache train``."""
@@ -44,6 +46,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     for name, value in (("--k", args.k), ("--max-new-tokens", args.max_new_tokens), ("--prompts", args.prompts)):
         if value is not None and value < 1:
             raise ValueError(f"{name} {value} must be at least 1")
+    model_dtype = DTYPES[dtype_name(args.model_dtype, "--model-dtype")]
     torch.set_num_threads(args.threads)
     from speccache.train.draft import draft_record, load_draft
     from speccache.train.evaluate import (
@@ -72,8 +75,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.model:
         from transformers import AutoModelForCausalLM
 
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.model_dtype]
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=model_dtype)
         runner = TargetRunner(model, draft.config.aux_layers)
         prompts = eval_prompts(args.cache, args.prompts)
         proposers: dict[str, Proposer] = {"draft": DraftProposer(draft), "prompt_lookup": PromptLookup()}
@@ -126,7 +128,9 @@ def register_commands(sub: Any) -> None:
     p.add_argument("--k", type=int, default=3, help="tokens drafted per chain (default 3)")
     p.add_argument("--prompts", type=int, default=None, help="decode at most this many prompts of --cache")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--model-dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument(
+        "--model-dtype", default="fp32", help="the target's compute: fp32 (default), bf16 or fp16 (or torch's names)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest on a busy CPU)")
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
     p.set_defaults(func=cmd_evaluate)
