@@ -232,3 +232,21 @@ def test_evaluate_refuses_a_chain_of_no_tokens_by_name(caches, trained, capsys):
     assert "speccache evaluate: error: --k 0 must be at least 1" in capsys.readouterr().err
     assert main(["evaluate", trained[0], "--cache", caches["eval"], "--model-dtype", "half"]) == 2
     assert "speccache evaluate: error: --model-dtype 'half' is unknown" in capsys.readouterr().err
+    assert main(["evaluate", trained[0], "--cache", caches["eval"], "--device", "tpu"]) == 2
+    assert "speccache evaluate: error: --device 'tpu' is unknown; choose cpu or cuda" in capsys.readouterr().err
+
+
+def test_evaluate_on_a_named_device_reports_what_the_default_does(caches, trained, tmp_path, capsys):
+    reports = []
+    for extra in ([], ["--device", "cpu"]):
+        report = tmp_path / f"report{len(reports)}.json"
+        argv = ["evaluate", trained[0], "--cache", caches["eval"], "--model", caches["model"], "--prompts", "2",
+                "--max-new-tokens", "8", "--json", str(report), *extra]  # fmt: skip
+        assert main(argv) == 0
+        body = json.loads(report.read_text())
+        for run in body["speculative"].values():
+            if isinstance(run, dict):
+                run.pop("seconds"), run.pop("speedup")
+        reports.append(body)
+    assert reports[0] == reports[1]
+    capsys.readouterr()

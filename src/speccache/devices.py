@@ -1,5 +1,5 @@
 """``--device``: the names it takes, the default, and the refusal of one this process cannot use (one rule for
-``precompute``, ``audit``, ``regenerate`` and ``train``)."""
+``precompute``, ``audit``, ``regenerate``, ``train`` and ``evaluate``)."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from speccache.devices import target_device
 from speccache.methods.base import DTYPES, dtype_name
 
 
@@ -47,6 +48,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise ValueError(f"{name} {value} must be at least 1")
     model_dtype = DTYPES[dtype_name(args.model_dtype, "--model-dtype")]
+    device = target_device(args.device)
     torch.set_num_threads(args.threads)
     from speccache.train.draft import draft_record, load_draft
     from speccache.train.evaluate import (
@@ -61,7 +63,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         teacher_forced,
     )
 
-    draft = load_draft(args.draft)
+    draft = load_draft(args.draft).to(device)
     train_cache = args.train_cache or draft_record(args.draft).get("cache")
     ngram = NgramTable.from_cache(train_cache) if train_cache else None
     report: dict[str, Any] = {"draft": args.draft, "train_cache": train_cache, "cache": args.cache, "k": args.k}
@@ -75,7 +77,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.model:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=model_dtype)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=model_dtype).to(device)
         runner = TargetRunner(model, draft.config.aux_layers)
         prompts = eval_prompts(args.cache, args.prompts)
         proposers: dict[str, Proposer] = {"draft": DraftProposer(draft), "prompt_lookup": PromptLookup()}
@@ -131,6 +133,7 @@ def register_commands(sub: Any) -> None:
     p.add_argument(
         "--model-dtype", default="fp32", help="the target's compute: fp32 (default), bf16 or fp16 (or torch's names)"
     )
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest on a busy CPU)")
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
     p.set_defaults(func=cmd_evaluate)

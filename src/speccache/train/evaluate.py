@@ -139,13 +139,14 @@ class DraftProposer:
     def propose(self, tokens: Sequence[int], aux: torch.Tensor, k: int) -> list[int]:
         """Up to ``k`` tokens (target ids)."""
         draft = self.draft
-        ids = torch.tensor(list(tokens[1:]), dtype=torch.long)
-        aux = aux.to(draft.fc.weight.dtype)
+        device = draft.fc.weight.device
+        ids = torch.tensor(list(tokens[1:]), dtype=torch.long, device=device)
+        aux = aux.to(device, draft.fc.weight.dtype)
         # at least the last verified slot is run again: its output state is the first drafted token's
         keep = min(self._cached_prefix(ids, aux), len(ids) - 1)
         self.cache.crop(keep - self.cache.get_seq_length())
-        slots = torch.arange(keep, len(ids))
-        mask = slots[:, None] >= torch.arange(len(ids))[None, :]
+        slots = torch.arange(keep, len(ids), device=device)
+        mask = slots[:, None] >= torch.arange(len(ids), device=device)[None, :]
         state = draft.layer(draft.embed_tokens(ids[keep:])[None], draft.fc(aux[keep:])[None], slots, mask, self.cache)
         state = state[:, -1:]
         out: list[int] = []
@@ -154,9 +155,9 @@ class DraftProposer:
             out.append(token)
             if len(out) == k:
                 break
-            every = torch.ones(1, position + 1, dtype=torch.bool)
-            embeds = draft.embed_tokens(torch.tensor([[token]]))
-            state = draft.layer(embeds, state, torch.tensor([position]), every, self.cache)
+            every = torch.ones(1, position + 1, dtype=torch.bool, device=device)
+            embeds = draft.embed_tokens(torch.tensor([[token]], device=device))
+            state = draft.layer(embeds, state, torch.tensor([position], device=device), every, self.cache)
         self.cache.crop(len(ids) - self.cache.get_seq_length())
         self._ids, self._aux = ids, aux
         return out
@@ -183,7 +184,8 @@ class TargetRunner:
 
         handles = [self.layers[i].register_forward_hook(hook(i)) for i in self.aux_layers]
         try:
-            out = self.model(input_ids=torch.tensor([list(ids)]), **cache_argument(self.model, cache), use_cache=True)
+            input_ids = torch.tensor([list(ids)], device=self.model.device)
+            out = self.model(input_ids=input_ids, **cache_argument(self.model, cache), use_cache=True)
         finally:
             for handle in handles:
                 handle.remove()
@@ -274,13 +276,14 @@ def _lookup_correct(tokens: torch.Tensor, target_ids: torch.Tensor, mask: torch.
 def teacher_forced(
     draft: Eagle3Draft, cache_dir: str, steps: int, ngram: NgramTable | None = None, batch_size: int = 8
 ) -> dict[str, dict[str, Any]]:
-    """Teacher-forced chain acceptance of the draft (and the baselines) on an EAGLE-3 cache.
+    """Teacher-forced chain acceptance of the draft (and the baselines) on an EAGLE-3 cache, on the draft's device.
 
     Predictions and the target's argmax are compared as target ids, so the cache's draft vocabulary may differ
     from the draft's.
     """
     draft.eval()
-    head = TargetHead.from_cache(cache_dir)
+    device = draft.fc.weight.device
+    head = TargetHead.from_cache(cache_dir).to(device)
     lookup = PromptLookup()
     correct: dict[str, list[list[torch.Tensor]]] = {"draft": [[] for _ in range(steps)]}
     if ngram is not None:
@@ -288,11 +291,12 @@ def teacher_forced(
     correct["prompt_lookup"] = [[]]
     masks = []
     for batch in build_eagle3_dataloader(cache_dir, batch_size=batch_size, shuffle=False):
-        view = draft_view(batch, head)
+        tokens = batch["input_ids"].long()  # the baselines look tokens up on the CPU
+        view = draft_view({k: v.to(device, non_blocking=True) for k, v in batch.items()}, head)
         target_ids = head.selected_token_ids[view["target"].argmax(-1)]
         for a, logits in enumerate(draft(view["hidden"].float(), view["input_ids"], steps)):
-            correct["draft"][a].append(draft.draft_to_target(logits.argmax(-1)) == target_ids)
-        tokens = batch["input_ids"].long()
+            correct["draft"][a].append((draft.draft_to_target(logits.argmax(-1)) == target_ids).cpu())
+        target_ids, view["mask"] = target_ids.cpu(), view["mask"].cpu()
         if ngram is not None:
             correct["ngram"][0].append(
                 _lookup_correct(tokens, target_ids, view["mask"], lambda s: ngram.next(s[-2], s[-1]))
