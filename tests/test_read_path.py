@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import mmap
 import os
 import pickle
-import types
 
 import pytest
 import torch
@@ -195,7 +193,6 @@ def test_prefetched_samples_are_read_ahead_in_file_order(tmp_path, monkeypatch):
     _sequential_cache(path)
     filled: list[tuple[str, int, int]] = []
     fill = dataset_module._fill_page_cache
-    monkeypatch.setattr(dataset_module, "_CACHESTAT", [0])
     monkeypatch.setattr(dataset_module, "_NOWAIT", [0])  # nothing counts as cached
     monkeypatch.setattr(
         dataset_module, "_fill_page_cache", lambda s, o, n, sink: (filled.append((s.path, o, n)), fill(s, o, n, sink))
@@ -220,7 +217,6 @@ def test_the_read_ahead_thread_changes_no_batch(cache, monkeypatch, workers):
 
     fills = []
     fill = dataset_module._fill_page_cache
-    monkeypatch.setattr(dataset_module, "_CACHESTAT", [0])
     monkeypatch.setattr(dataset_module, "_NOWAIT", [0])  # every long read is queued, waited for and read again
     monkeypatch.setattr(dataset_module, "_fill_page_cache", lambda *a: (fills.append(a[1]), fill(*a)))
     collate = PackCollator(RAGGED)
@@ -237,80 +233,6 @@ def test_the_read_ahead_thread_changes_no_batch(cache, monkeypatch, workers):
             assert_batches_equal(g, w)
     assert fills or ds.schema["hidden"].encoding != "raw"  # the thread read the long raw samples ahead
     pickle.loads(pickle.dumps(ds))  # a dataset that read ahead still pickles (for spawned workers)
-
-
-def _evicted(path: str) -> None:
-    with open(path, "rb") as f:
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-
-
-@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise to evict a file from the page cache")
-def test_residency_is_asked_of_the_page_cache_without_reading(tmp_path, monkeypatch):
-    import speccache.read.dataset as dataset_module
-
-    path = str(tmp_path / "c")
-    _sequential_cache(path)
-    ds = CacheDataset(path, keys=["hidden"])
-    opened = ds._open_shard(0)
-    start, sample = opened.bases["hidden"], 300 * 256 * 2
-    probe = memoryview(bytearray(1))
-    os.sync()
-    _evicted(opened.path)
-    if not dataset_module._uncached(opened, start, sample, probe):
-        pytest.skip("this file system keeps evicted pages (or ignores DONTNEED)")
-    if not dataset_module._CACHESTAT[0]:
-        pytest.skip("this kernel has no cachestat (Linux < 6.5): the one-byte probe stands in")
-    # cachestat asks without reading: the evicted range stays out of the page cache
-    monkeypatch.setattr(dataset_module, "_cached_prefix", lambda *a: pytest.fail("probed with a read"))
-    assert dataset_module._uncached(opened, start, sample, probe)
-    ds.prefetch([0])  # queued for the thread because it is not cached, found so without a read
-    ds._read_ahead().wait(opened, start)
-    assert not dataset_module._uncached(opened, start + 1, sample - 1, probe)  # the thread read it
-
-
-@pytest.mark.parametrize(
-    ("offset", "nbytes", "pages", "uncached"),
-    [(10, 4086, 1, False), (10, 4096, 1, True), (10, 4096, 2, False), (4095, 2, 1, True), (0, 3 << 12, 3, False)],
-)
-def test_a_range_counts_as_cached_only_if_every_page_it_touches_is(
-    tmp_path, monkeypatch, offset, nbytes, pages, uncached
-):
-    import ctypes
-
-    import speccache.read.dataset as dataset_module
-
-    monkeypatch.setattr(mmap, "PAGESIZE", 4096)
-
-    class Answering:
-        def syscall(self, number, fd, span, stat, flags):
-            asked = ctypes.cast(span, ctypes.POINTER(dataset_module._CacheRange)).contents
-            assert (number, asked.off, asked.len, flags) == (451, offset, nbytes, 0)
-            ctypes.cast(stat, ctypes.POINTER(dataset_module._CacheStat)).contents.cache = pages
-            return 0
-
-    monkeypatch.setattr(dataset_module, "_CACHESTAT", [451])
-    monkeypatch.setattr(dataset_module, "_libc", lambda: Answering())
-    source = types.SimpleNamespace(fd=-1)
-    assert dataset_module._uncached(source, offset, nbytes, memoryview(bytearray(1))) is uncached
-
-
-def test_a_kernel_without_cachestat_falls_back_to_the_probe(tmp_path, monkeypatch):
-    import speccache.read.dataset as dataset_module
-
-    path = str(tmp_path / "c")
-    _sequential_cache(path)
-    opened = CacheDataset(path, keys=["hidden"])._open_shard(0)
-
-    class Refusing:
-        def syscall(self, *args):
-            return -1  # ENOSYS on an older kernel, EPERM under a seccomp filter
-
-    probed = []
-    monkeypatch.setattr(dataset_module, "_CACHESTAT", [451])
-    monkeypatch.setattr(dataset_module, "_libc", lambda: Refusing())
-    monkeypatch.setattr(dataset_module, "_cached_prefix", lambda source, probe, offset: probed.append(offset) or 1)
-    assert not dataset_module._uncached(opened, 4096, 1 << 20, memoryview(bytearray(1)))
-    assert dataset_module._CACHESTAT == [0] and probed == [4096]
 
 
 def test_a_shard_replaced_under_the_read_ahead_is_refused(tmp_path):
@@ -335,7 +257,6 @@ def test_a_shard_truncated_under_the_read_ahead_raises(tmp_path, monkeypatch):
 
     path = str(tmp_path / "c")
     _sequential_cache(path)
-    monkeypatch.setattr(dataset_module, "_CACHESTAT", [0])
     monkeypatch.setattr(dataset_module, "_NOWAIT", [0])  # nothing counts as cached: the thread reads everything
     ds = CacheDataset(path, keys=["hidden"])
     views = ds.__getitems__(range(8))

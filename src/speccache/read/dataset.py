@@ -17,14 +17,11 @@ cache in file order while batches are collated (see :class:`_ReadAhead`).
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import functools
 import math
-import mmap
 import operator
 import os
-import sys
 import threading
 import weakref
 from collections import OrderedDict, deque
@@ -310,39 +307,6 @@ def _cached_prefix(source: _OpenShard, dst: memoryview, offset: int) -> int:
             raise
         _NOWAIT[0] = 0
         return 0
-
-
-class _CacheRange(ctypes.Structure):
-    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
-
-
-class _CacheStat(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_uint64) for name in ("cache", "dirty", "writeback", "evicted", "recently_evicted")]
-
-
-_CACHESTAT = [451 if sys.platform == "linux" else 0]
-"""The ``cachestat`` syscall's number (Linux 6.5+; 0 once refused): how much of a range the page cache holds,
-without reading anything."""
-
-
-def _uncached(source: _OpenShard, offset: int, nbytes: int, probe: memoryview) -> bool:
-    """Whether the page cache lacks some of ``[offset, offset + nbytes)`` of ``source``'s file.
-
-    ``cachestat`` answers without touching the disk. Where the kernel lacks it, a one-byte ``RWF_NOWAIT`` read of
-    the first byte stands in; on a miss that read starts the kernel's read-ahead at the range, a small random
-    read in the middle of the read-ahead thread's stream, which measurably slowed cold epochs.
-    """
-    if _CACHESTAT[0]:
-        span, stat = _CacheRange(offset, nbytes), _CacheStat()
-        if _libc().syscall(_CACHESTAT[0], source.fd, ctypes.byref(span), ctypes.byref(stat), 0) == 0:
-            return stat.cache * mmap.PAGESIZE < nbytes + offset % mmap.PAGESIZE
-        _CACHESTAT[0] = 0  # ENOSYS, or a seccomp filter that refuses it: the probe from now on
-    return not _cached_prefix(source, probe, offset)
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
 
 
 def _pread_into(source: _OpenShard, dst: memoryview, offset: int) -> None:
@@ -725,23 +689,19 @@ class CacheDataset(Dataset):
         them before it is read waits for it.
         """
         probe = memoryview(bytearray(1))
-        by_shard: dict[int, list[int]] = {}  # in the order the indices first need the shards
+        wanted = []
+        first_use: dict[int, int] = {}  # shards in the order the indices first need them
         for index in indices:
             shard, local = self._split(index)
-            by_shard.setdefault(shard, []).append(local)
-        # Each shard's ranges are queued as soon as it is open: the thread streams through the first while the
-        # next ones' headers are read (opening two windows' shards cold, first, held the disk idle for 0.1 s).
-        for shard, locals_ in by_shard.items():
             opened = self._open_shard(shard)
-            wanted = []
-            for local in locals_:
-                for key, base in opened.long.items():
-                    start, end = opened.span(key, local)
-                    if end - start >= _PREAD_BYTES and _uncached(opened, base + start, end - start, probe):
-                        wanted.append((base + start, end - start))
-            if wanted:
-                wanted.sort()
-                self._read_ahead().submit((opened, offset, nbytes) for offset, nbytes in wanted)
+            first_use.setdefault(shard, len(first_use))
+            for key, base in opened.long.items():
+                start, end = opened.span(key, local)
+                if end - start >= _PREAD_BYTES and not _cached_prefix(opened, probe, base + start):
+                    wanted.append((first_use[shard], base + start, end - start, opened))
+        if wanted:
+            wanted.sort(key=lambda w: w[:2])
+            self._read_ahead().submit((opened, offset, nbytes) for _, offset, nbytes, opened in wanted)
 
     def sample_lengths(self) -> list[int]:
         """Rows of each sample's ragged keys (all 1 when no key is ragged); reads only shard offsets."""
