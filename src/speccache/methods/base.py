@@ -23,9 +23,9 @@ from speccache.methods.decoder import Capture
 from speccache.write import Comm
 
 __all__ = [
+    "DTYPES",
     "TORCH_DTYPE_NAMES",
     "dtype_name",
-    "DTYPES",
     "CaptureRequest",
     "LoadedTarget",
     "Method",
@@ -58,7 +58,9 @@ def dtype_name(name: str, flag: str, choices: Sequence[str] = tuple(DTYPES)) -> 
     """
     short = TORCH_DTYPE_NAMES.get(name, name)
     if short not in choices:
-        raise ValueError(f"{flag} {name!r} is unknown; choose one of {', '.join(choices)} (or torch's names: bfloat16)")
+        raise ValueError(
+            f"{flag} {name!r} is unknown; choose one of {', '.join(choices)} (torch's names, as bfloat16, too)"
+        )
     return short
 
 
