@@ -63,6 +63,9 @@ def _child(req: dict[str, Any]) -> None:
         os.environ.pop("SPECCACHE_FAULT", None)
         os.environ.update(req.get("env") or {})
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung run's stacks, dumped before it is killed
+        # Ctrl-C as at a terminal, even where the tests were started with SIGINT ignored (a background job of a
+        # shell without job control), which the fork server and its children would otherwise inherit
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         if req.get("fsize_limit") is not None:
             # a file-size limit (like a full quota): writes past it fail with EFBIG once SIGXFSZ is ignored
