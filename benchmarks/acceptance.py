@@ -4,7 +4,8 @@ For each training size N of ``--sizes`` (the smaller ones are prefixes of the la
 (SmolLM2-135M-Instruct, :func:`speccache.demo.real_target.ensure_real_target`) and the bundled prompt set
 (:mod:`speccache.demo.prompts`):
 
-1. ``speccache regenerate`` answers the largest N training prompts and the held-out prompts (greedy, bf16);
+1. ``speccache regenerate`` answers the largest N training prompts and the held-out prompts (greedy; in bf16
+   where the CPU or GPU computes it natively, else fp32: ``--model-dtype``);
 2. ``speccache precompute`` caches the first N regenerated training conversations, and the held-out ones once;
 3. ``speccache train`` trains a draft on each training cache (the recipe's flags below);
 4. ``speccache evaluate`` measures it on the held-out cache: teacher-forced per-step acceptance, and greedy
@@ -90,8 +91,10 @@ def _bytes(path: str) -> str:
 
 
 def _regenerated(path: str) -> dict:
+    """regenerate.json's counts, and its compute dtype as ``model_dtype``."""
     with open(os.path.join(path, "regenerate.json")) as f:
-        return json.load(f)["counts"]
+        record = json.load(f)
+    return {**record["counts"], "model_dtype": record["settings"]["model_dtype"]}
 
 
 def _cache_tokens(path: str) -> tuple[int, int]:
@@ -127,7 +130,8 @@ def report(args: argparse.Namespace, sizes: list[int], work: str, stages: Stages
     train_regen = _regenerated(os.path.join(work, "regen-train"))
     eval_regen = _regenerated(os.path.join(work, "regen-eval"))
     lines += [
-        f"Regenerated: {train_regen['rows']} training prompts ({train_regen['turns']} answers, "
+        f"Regenerated ({train_regen['model_dtype']} compute, as the caches' features): {train_regen['rows']} "
+        f"training prompts ({train_regen['turns']} answers, "
         f"{train_regen['generated_tokens']:,} tokens, {train_regen['truncated_rows']} rows cut at "
         f"--max-new-tokens {args.max_new_tokens}) and {eval_regen['rows']} held-out prompts "
         f"({eval_regen['generated_tokens']:,} tokens); evaluation: teacher-forced on the held-out cache, greedy "
@@ -194,6 +198,12 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=0.05)
     p.add_argument("--step-decay", type=float, default=0.8)
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS and --threads of every stage")
+    p.add_argument(
+        "--model-dtype",
+        default=None,
+        help="regenerate's and precompute's compute: bf16 or fp32 (default: bf16 where the device computes it "
+        "natively, else fp32; evaluate's target is fp32 either way)",
+    )
     p.add_argument("--engine", default="hf", help="regenerate's and precompute's engine (vllm: run in .venv-vllm)")
     p.add_argument("--model", default=None, help="the target (default: SmolLM2-135M-Instruct, built once)")
     p.add_argument("--work", default=None, help="work directory (default bench-out/acceptance[-quick])")
@@ -212,6 +222,7 @@ def main() -> None:
 
     from speccache.demo.prompts import write_prompts
     from speccache.demo.real_target import ensure_real_target
+    from speccache.devices import fast_compute_dtype, target_device
 
     machine = {
         "cpu": platform.processor() or platform.machine(),
@@ -220,6 +231,7 @@ def main() -> None:
     }
     model = args.model or ensure_real_target()
     stages = Stages(work)
+    compute = args.model_dtype or fast_compute_dtype(target_device(None))
     threads = ["--threads", str(args.threads)]
     for split, rows in (("train", sizes[-1]), ("eval", args.held_out)):
         prompts = os.path.join(work, f"prompts-{split}.jsonl")
@@ -227,14 +239,14 @@ def main() -> None:
         if written < rows:
             sys.exit(f"acceptance: the prompt set has {written} {split} prompts, fewer than the {rows} asked for")
         regen = ["regenerate", "--model", model, "--data", prompts, "--out", os.path.join(work, f"regen-{split}")]
-        regen += ["--max-new-tokens", str(args.max_new_tokens), "--model-dtype", "bfloat16", "--part-size", "64"]
+        regen += ["--max-new-tokens", str(args.max_new_tokens), "--model-dtype", compute, "--part-size", "64"]
         regen += ["--engine", args.engine]
         stages.run(f"regen-{split}", regen, os.path.join(work, f"regen-{split}"), env)
         # the command names the prompts file, not how many rows it held when the stage ran
         regenerated = _regenerated(os.path.join(work, f"regen-{split}"))["rows"]
         if regenerated != rows:
             sys.exit(f"acceptance: {work}/regen-{split} holds {regenerated} rows, not {rows}; choose another --work")
-    cache = ["--model", model, "--model-dtype", "bf16", "--dtype", "bf16", "--draft-vocab-size", str(DRAFT_VOCAB)]
+    cache = ["--model", model, "--model-dtype", compute, "--dtype", "bf16", "--draft-vocab-size", str(DRAFT_VOCAB)]
     cache += ["--max-length", "2048", "--quiet", "--engine", args.engine]
     out = os.path.join(work, "cache-eval")
     stages.run("cache-eval", ["precompute", *cache, "--data", os.path.join(work, "regen-eval"), "--out", out], out, env)

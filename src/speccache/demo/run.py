@@ -5,9 +5,10 @@ draft's acceptance on a real one.
    existing cache), ``speccache verify``, ``speccache inspect``, then one training epoch's worth of reading
    through ``build_eagle3_dataloader`` with ``TargetHead``, and a summary.
 2. The real target (SmolLM2-135M-Instruct, :func:`speccache.demo.real_target.ensure_real_target`): its own
-   answers to training and held-out prompts (``speccache regenerate``), their caches (bf16 compute), a draft
-   trained briefly, ``speccache evaluate`` with real speculative decoding, and the draft's acceptance against
-   the n-gram and prompt-lookup baselines. Every step is resumed or reused by a second run.
+   answers to training and held-out prompts (``speccache regenerate``), their caches (computed in bf16 where the
+   machine has bf16 instructions, else in fp32: :func:`speccache.devices.fast_compute_dtype`), a draft trained
+   briefly, ``speccache evaluate`` with real speculative decoding, and the draft's acceptance against the n-gram
+   and prompt-lookup baselines. Every step is resumed or reused by a second run.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from speccache import cli
 from speccache.demo import demo_data_path, ensure_demo_target
 from speccache.demo.prompts import write_prompts
+from speccache.devices import fast_compute_dtype, target_device
 from speccache.methods.eagle3 import TargetHead, build_eagle3_dataloader
 
 
@@ -83,6 +85,7 @@ def acceptance(
         ``speccache evaluate``'s report (teacher-forced acceptance and speculative decoding of every proposer).
     """
     os.makedirs(out, exist_ok=True)
+    compute = fast_compute_dtype(target_device(None))
     caches = {}
     for name, split, rows in (("train", "train", train_rows), ("heldout", "eval", eval_rows)):
         prompts, answers = os.path.join(out, f"{name}-prompts.jsonl"), os.path.join(out, f"{name}-answers")
@@ -90,14 +93,14 @@ def acceptance(
         write_prompts(prompts, split, rows)  # the same bytes on every run, so the resumes below accept them
         print(f"\n# {rows} {split} prompts of speccache.demo.prompts -> {prompts}", flush=True)
         _run(["regenerate", "--model", model, "--data", prompts, "--out", answers, "--max-new-tokens",
-              str(answer_tokens), "--batch-size", "8", "--model-dtype", "bf16", "--resume"])  # fmt: skip
+              str(answer_tokens), "--batch-size", "8", "--model-dtype", compute, "--resume"])  # fmt: skip
         # the held-out cache takes the training cache's draft vocabulary: counting its own would leak into it
         vocab = (
             ["--draft-vocab-size", str(draft_vocab_size)]
             if name == "train"
             else ["--draft-vocab-from", caches["train"]]
         )
-        _run(["precompute", "--model", model, "--data", answers, "--out", caches[name], "--model-dtype", "bf16",
+        _run(["precompute", "--model", model, "--data", answers, "--out", caches[name], "--model-dtype", compute,
               "--dtype", "bf16", *vocab, "--batch-size", "8", "--max-length", "1024", "--resume"])  # fmt: skip
     draft = os.path.join(out, "draft")
     train = ["train", caches["train"], "--out", draft, "--epochs", str(epochs), "--ttt-steps", "1",
