@@ -128,15 +128,38 @@ def test_step_decay_weights_later_steps_less(cache):
     assert float(decayed) != pytest.approx(float(plain))
 
 
+def test_supervise_all_grades_every_row_whatever_the_loss_mask(cache):
+    torch.manual_seed(0)
+    draft, head = draft_for_cache(cache)
+    batch = next(iter(build_eagle3_dataloader(cache, batch_size=4, shuffle=False)))
+    unmasked = {**batch, "loss_mask": torch.zeros_like(batch["loss_mask"])}
+    with torch.no_grad():
+        generated, every = (draft_loss(draft, batch, head, 2, supervise=s) for s in ("generated", "all"))
+        assert float(draft_loss(draft, unmasked, head, 2)) == 0.0  # nothing generated: nothing graded
+        assert float(draft_loss(draft, unmasked, head, 2, supervise="all")) == pytest.approx(float(every), rel=1e-6)
+    assert float(every) != pytest.approx(float(generated))
+
+
 def test_train_cli_takes_the_recipe_flags_and_records_them(cache, tmp_path, capsys):
     out = str(tmp_path / "draft")
     argv = ["train", cache, "--out", out, "--epochs", "2", "--ttt-steps", "2", "--warmup", "0.2"]
-    assert main([*argv, "--step-decay", "0.8", "--intermediate-size", "24", "--lr", "3e-3"]) == 0
+    assert main([*argv, "--step-decay", "0.8", "--intermediate-size", "24", "--lr", "3e-3", "--supervise", "all"]) == 0
     assert "loss" in capsys.readouterr().out
     record = draft_record(out)
     assert record["training"]["warmup"] == 0.2 and record["training"]["step_decay"] == 0.8
+    assert record["training"]["supervise"] == "all"
     assert record["training"]["steps"] == 2 * 5  # 40 samples in batches of 8, every sample once per epoch
     assert record["draft_config"]["intermediate_size"] == 24
+
+
+def test_an_unknown_supervise_is_refused_by_name(cache, tmp_path, capsys):
+    out = tmp_path / "draft"
+    assert main(["train", cache, "--out", str(out), "--supervise", "prompts"]) != 0
+    assert (
+        "speccache train: error: --supervise 'prompts' is unknown; choose one of generated, all"
+        in capsys.readouterr().err
+    )
+    assert not out.exists()
 
 
 # --- benchmarks/acceptance.py: finished stages are skipped on a rerun -----------------------------------------------

@@ -391,6 +391,7 @@ TRIGGERS: dict[str, T] = {
     "must be at least 1": _train(ttt_steps=0),
     "must be a positive learning rate": _train(lr=0.0),
     "must be a positive weight ratio": _train(step_decay=0.0),
+    "is unknown; choose one of generated, all": _train(supervise="prompts"),
     "must be a share of the steps": _train(warmup=1.0),
     "is not a draft that speccache train wrote": _foreign_draft,
     "is unknown; choose cpu or cuda": _train(device="tpu"),

@@ -29,6 +29,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         seed=args.seed,
         warmup=args.warmup,
         step_decay=args.step_decay,
+        supervise=args.supervise,
         intermediate_size=args.intermediate_size,
         device=args.device,
         log=lambda line: print(line, flush=True),
@@ -117,6 +118,11 @@ def register_commands(sub: Any) -> None:
         type=float,
         default=1.0,
         help="loss weight of each training-time-test step relative to the one before (default 1: the plain mean)",
+    )
+    p.add_argument(
+        "--supervise",
+        default="generated",
+        help="rows the loss grades: generated (default: the loss mask's) or all (prompts too; more to learn from)",
     )
     p.add_argument("--intermediate-size", type=int, default=None, help="the draft's MLP width (default 2 * hidden)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")

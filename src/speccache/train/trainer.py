@@ -4,7 +4,9 @@ The cache is read only through :func:`speccache.methods.eagle3.build_eagle3_data
 :class:`speccache.methods.eagle3.TargetHead`; :func:`speccache.methods.eagle3.draft_view` aligns each batch
 (slot ``j``: ``aux[j]``, ``input_ids[j + 1]``, row ``j + 1``'s distribution, ``position_mask[j + 1]``). Each
 training-time-test step ``a`` is graded on the slots ``j >= a`` of the mask against the same distribution,
-and the loss is the steps' mean weighted by ``step_decay ** a`` (1: the plain mean).
+and the loss is the steps' mean weighted by ``step_decay ** a`` (1: the plain mean). ``supervise="all"`` grades
+every row the cache holds (prompts and template tokens too: the target's distribution is stored at every row),
+not only the generated ones the loss mask marks; on little data that taught the draft more (docs/acceptance.md).
 
 Batches hold samples of similar length (:class:`LengthGroupedSampler`), so little of a batch is padding. The
 learning rate warms up linearly over the first ``warmup`` share of the steps, then follows a cosine to
@@ -116,13 +118,21 @@ MAX_GRAD_NORM = 1.0
 
 
 def draft_loss(
-    draft: Eagle3Draft, batch: Mapping[str, torch.Tensor], head: TargetHead, steps: int, step_decay: float = 1.0
+    draft: Eagle3Draft,
+    batch: Mapping[str, torch.Tensor],
+    head: TargetHead,
+    steps: int,
+    step_decay: float = 1.0,
+    supervise: str = "generated",
 ) -> torch.Tensor:
     """Soft cross-entropy of the draft's ``steps`` training-time-test steps against the target, on the aligned mask.
 
     Step ``a`` counts the slots ``j >= a`` whose ``mask`` is set; the result is the mean over the steps of each
-    step's mean over its counted slots, step ``a`` weighted by ``step_decay ** a``.
+    step's mean over its counted slots, step ``a`` weighted by ``step_decay ** a``. With ``supervise="all"`` the
+    mask counts every real row (``attention_mask``) instead of the generated ones (``loss_mask``).
     """
+    if supervise == "all":
+        batch = {**batch, "loss_mask": batch["attention_mask"]}
     view = draft_view(batch, head)
     slots = torch.arange(view["mask"].shape[1], device=view["mask"].device)
     losses = []
@@ -145,13 +155,14 @@ def train_steps(
     on_step: Callable[[int, float], None] | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     step_decay: float = 1.0,
+    supervise: str = "generated",
 ) -> list[float]:
     """One optimizer step per batch (then one ``scheduler`` step); returns the losses (``on_step(i, loss)`` after
     each)."""
     draft.train()
     losses = []
     for i, batch in enumerate(batches):
-        loss = draft_loss(draft, batch, head, steps, step_decay)
+        loss = draft_loss(draft, batch, head, steps, step_decay, supervise)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), MAX_GRAD_NORM)
@@ -199,6 +210,7 @@ def train(
     seed: int = 0,
     warmup: float = 0.05,
     step_decay: float = 1.0,
+    supervise: str = "generated",
     intermediate_size: int | None = None,
     device: str | None = None,
     log: Callable[[str], None] | None = None,
@@ -206,13 +218,15 @@ def train(
     """Train a fresh draft on ``cache_dir`` and save it to ``out`` (see :mod:`speccache.train.draft`).
 
     ``warmup`` is the share of the steps the learning rate warms up over before its cosine decay, ``step_decay``
-    the weight ratio of consecutive training-time-test steps in the loss, ``intermediate_size`` the draft's MLP
+    the weight ratio of consecutive training-time-test steps in the loss, ``supervise`` which rows the loss grades
+    (``generated``: the loss mask's; ``all``: every row), ``intermediate_size`` the draft's MLP
     width (default twice the hidden size), ``device`` where to train (see :func:`speccache.devices.target_device`).
 
     Raises:
         FileExistsError: ``out`` already holds a draft (checked before training).
         ValueError: a non-positive ``epochs``, ``batch_size``, ``ttt_steps``, ``lr``, ``max_steps``,
-            ``step_decay`` or ``intermediate_size``, a ``warmup`` outside [0, 1), or an unusable ``device``.
+            ``step_decay`` or ``intermediate_size``, a ``warmup`` outside [0, 1), an unknown ``supervise`` or an
+            unusable ``device``.
     """
     counts = {"--epochs": epochs, "--batch-size": batch_size, "--ttt-steps": ttt_steps, "--max-steps": max_steps}
     for name, value in counts.items():
@@ -224,6 +238,8 @@ def train(
         raise ValueError(f"--lr {lr} must be a positive learning rate")
     if not step_decay > 0:
         raise ValueError(f"--step-decay {step_decay} must be a positive weight ratio")
+    if supervise not in ("generated", "all"):
+        raise ValueError(f"--supervise {supervise!r} is unknown; choose one of generated, all")
     if not 0 <= warmup < 1:
         raise ValueError(f"--warmup {warmup} must be a share of the steps in [0, 1)")
     where = target_device(device)
@@ -252,7 +268,7 @@ def train(
         if left <= 0:
             break
         batches = ({k: v.to(where, non_blocking=True) for k, v in b.items()} for b in itertools.islice(loader, left))
-        losses += train_steps(draft, batches, head, optimizer, ttt_steps, report, scheduler, step_decay)
+        losses += train_steps(draft, batches, head, optimizer, ttt_steps, report, scheduler, step_decay, supervise)
     seconds = time.monotonic() - started
     trained = {
         "epochs": epochs,
@@ -262,6 +278,7 @@ def train(
         "seed": seed,
         "warmup": warmup,
         "step_decay": step_decay,
+        "supervise": supervise,
         "schedule": "cosine",
     }
     extra = {
