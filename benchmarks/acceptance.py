@@ -137,7 +137,8 @@ def report(args: argparse.Namespace, sizes: list[int], work: str, stages: Stages
         f"({eval_regen['generated_tokens']:,} tokens); evaluation: teacher-forced on the held-out cache, greedy "
         f"speculative decoding of the first {args.eval_prompts} held-out prompts, at most {args.eval_new_tokens} "
         f"new tokens, k = 3, fp32 target. Draft: `--epochs {args.epochs} --ttt-steps {args.ttt_steps} --lr {args.lr} "
-        f"--batch-size {args.batch_size} --warmup {args.warmup} --step-decay {args.step_decay}`.",
+        f"--batch-size {args.batch_size} --warmup {args.warmup} --step-decay {args.step_decay} "
+        f"--supervise {args.supervise}`.",
         "",
         "| N | proposer | tau | vs best baseline | speed-up | identical to greedy | teacher-forced per step "
         "| mean accepted length |",
@@ -197,6 +198,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--warmup", type=float, default=0.05)
     p.add_argument("--step-decay", type=float, default=0.8)
+    p.add_argument("--supervise", default="generated", help="train --supervise: generated (default) or all")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS and --threads of every stage")
     p.add_argument(
         "--model-dtype",
@@ -257,7 +259,7 @@ def main() -> None:
         draft = os.path.join(work, f"draft-{n}")
         recipe = ["--epochs", str(args.epochs), "--ttt-steps", str(args.ttt_steps), "--lr", str(args.lr)]
         recipe += ["--batch-size", str(args.batch_size), "--warmup", str(args.warmup)]
-        recipe += ["--step-decay", str(args.step_decay), *threads]
+        recipe += ["--step-decay", str(args.step_decay), "--supervise", args.supervise, *threads]
         stages.run(f"train-{n}", ["train", out, "--out", draft, *recipe], draft, env)
         evaluate = ["evaluate", draft, "--cache", os.path.join(work, "cache-eval"), "--model", model, "--k", "3"]
         evaluate += ["--prompts", str(args.eval_prompts), "--max-new-tokens", str(args.eval_new_tokens)]
