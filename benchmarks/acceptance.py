@@ -20,19 +20,21 @@ stage whose command changed (choose another ``--work``). ``--quick`` proves the 
 
 Usage: python benchmarks/acceptance.py [--sizes 250,500,1000] [--held-out 100] [--eval-prompts 40]
     [--max-new-tokens 256] [--eval-new-tokens 64] [--epochs 6] [--ttt-steps 2] [--lr 2e-3] [--batch-size 4]
-    [--warmup 0.05] [--step-decay 0.8] [--threads 1] [--engine hf]
+    [--warmup 0.05] [--step-decay 0.8] [--threads 1] [--jobs 1] [--engine hf] [--regen-batch-size 16]
     [--work bench-out/acceptance] [--out docs/acceptance.md] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import platform
 import shlex
 import subprocess
 import sys
+import threading
 import time
 
 from docsection import replace_section  # benchmarks/, beside this script
@@ -50,6 +52,7 @@ class Stages:
     def __init__(self, work: str) -> None:
         self.path = os.path.join(work, "stages.json")
         self.done: dict[str, dict] = json.load(open(self.path)) if os.path.exists(self.path) else {}
+        self._lock = threading.Lock()  # --jobs: chains record their stages from threads of their own
 
     def run(self, name: str, argv: list[str], out: str, env: dict[str, str], ok_codes: tuple[int, ...] = (0,)) -> float:
         """Run ``speccache ARGV`` unless this stage finished before with the same command; its seconds."""
@@ -71,11 +74,12 @@ class Stages:
             sys.exit(f"acceptance: stage {name} failed (exit status {code}); rerun to continue")
         finished = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         load = " ".join(f"{x:.1f}" for x in os.getloadavg())
-        self.done[name] = {"command": command, "seconds": seconds, "finished": finished, "load": load}
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.done, f, indent=2)
-        os.replace(tmp, self.path)
+        with self._lock:
+            self.done[name] = {"command": command, "seconds": seconds, "finished": finished, "load": load}
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.done, f, indent=2)
+            os.replace(tmp, self.path)
         print(f"[{name}] {seconds:.0f} s", flush=True)
         return seconds
 
@@ -120,7 +124,8 @@ def report(args: argparse.Namespace, sizes: list[int], work: str, stages: Stages
     lines = [BEGIN, "", f"Measured {when}{' (--quick)' if args.quick else ''}:"]
     lines += ["", "```bash", argv, "```", ""]
     lines += [
-        f"Machine: {machine['cpu']}, {machine['cores']} cores, 1-minute load average "
+        f"Machine: {machine['cpu']}, {machine['cores']} cores"
+        f"{', every stage on one ' + machine['gpu'] + ' GPU' if machine['gpu'] else ''}, 1-minute load average "
         f"{load} as the stages ended (a shared machine: the seconds "
         f"are inflated by other work, tau and the acceptance rates are not); OMP_NUM_THREADS={args.threads} and "
         f"`--threads {args.threads}`; torch "
@@ -191,6 +196,12 @@ def main() -> None:
     p.add_argument("--held-out", type=int, default=100, help="held-out prompts regenerated and cached")
     p.add_argument("--eval-prompts", type=int, default=40, help="held-out prompts decoded speculatively")
     p.add_argument("--max-new-tokens", type=int, default=256, help="regenerate: most tokens per answer")
+    p.add_argument(
+        "--regen-batch-size",
+        type=int,
+        default=16,
+        help="regenerate --batch-size (more on a GPU)",
+    )
     p.add_argument("--eval-new-tokens", type=int, default=64, help="evaluate: most new tokens per prompt")
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--ttt-steps", type=int, default=2)
@@ -200,6 +211,7 @@ def main() -> None:
     p.add_argument("--step-decay", type=float, default=0.8)
     p.add_argument("--supervise", default="generated", help="train --supervise: generated (default) or all")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS and --threads of every stage")
+    p.add_argument("--jobs", type=int, default=1, help="sizes whose cache, training and evaluation run side by side")
     p.add_argument(
         "--model-dtype",
         default=None,
@@ -235,24 +247,34 @@ def main() -> None:
     stages = Stages(work)
     compute = args.model_dtype or fast_compute_dtype(target_device(None))
     threads = ["--threads", str(args.threads)]
-    for split, rows in (("train", sizes[-1]), ("eval", args.held_out)):
+
+    def regenerate(split: str, rows: int) -> None:
+        """Answer the first ``rows`` prompts of ``split`` with the target."""
         prompts = os.path.join(work, f"prompts-{split}.jsonl")
         written = write_prompts(prompts, split, rows)
         if written < rows:
             sys.exit(f"acceptance: the prompt set has {written} {split} prompts, fewer than the {rows} asked for")
         regen = ["regenerate", "--model", model, "--data", prompts, "--out", os.path.join(work, f"regen-{split}")]
-        regen += ["--max-new-tokens", str(args.max_new_tokens), "--model-dtype", compute, "--part-size", "64"]
-        regen += ["--engine", args.engine]
+        # a part is generated on its own, so it caps the batch: on a GPU, parts of 64 rows left a batch of 192 at 64
+        part = str(max(64, args.regen_batch_size))
+        regen += ["--max-new-tokens", str(args.max_new_tokens), "--model-dtype", compute, "--part-size", part]
+        regen += ["--engine", args.engine, "--batch-size", str(args.regen_batch_size)]
         stages.run(f"regen-{split}", regen, os.path.join(work, f"regen-{split}"), env)
         # the command names the prompts file, not how many rows it held when the stage ran
         regenerated = _regenerated(os.path.join(work, f"regen-{split}"))["rows"]
         if regenerated != rows:
             sys.exit(f"acceptance: {work}/regen-{split} holds {regenerated} rows, not {rows}; choose another --work")
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs)
+    for finished in [pool.submit(regenerate, "train", sizes[-1]), pool.submit(regenerate, "eval", args.held_out)]:
+        finished.result()
     cache = ["--model", model, "--model-dtype", compute, "--dtype", "bf16", "--draft-vocab-size", str(DRAFT_VOCAB)]
     cache += ["--max-length", "2048", "--quiet", "--engine", args.engine]
     out = os.path.join(work, "cache-eval")
     stages.run("cache-eval", ["precompute", *cache, "--data", os.path.join(work, "regen-eval"), "--out", out], out, env)
-    for n in sizes:
+
+    def chain(n: int) -> None:
+        """Cache, train and evaluate the draft of size ``n``."""
         out = os.path.join(work, f"cache-{n}")
         data = ["--data", os.path.join(work, "regen-train"), "--limit", str(n)]
         stages.run(f"cache-{n}", ["precompute", *cache, *data, "--out", out], out, env)
@@ -266,9 +288,17 @@ def main() -> None:
         evaluate += ["--json", os.path.join(work, f"eval-{n}.json"), *threads]
         # exit status 1: an output differed from greedy decoding, which the report shows
         stages.run(f"eval-{n}", evaluate, os.path.join(work, f"eval-{n}.json"), env, ok_codes=(0, 1))
+
+    # The largest size first: the criterion's, so a run stopped part-way has it. With --jobs N, N sizes' chains run
+    # side by side (each stage is a process of its own with --threads threads), as are the two regenerate stages.
+    for finished in [pool.submit(chain, n) for n in reversed(sizes)]:
+        finished.result()
+    pool.shutdown()
     import torch
 
     machine["torch"] = torch.__version__
+    # every stage runs on the GPU when there is one (their --device default)
+    machine["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     text = report(args, sizes, work, stages, machine, command)
     print(text)
     if args.out:
