@@ -44,7 +44,9 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str
 @pytest.fixture(scope="session")
 def precompute_runs(tiny_models, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Callable[[str], str]]:
     """``make(table, data, limit, max_length)``: a getter ``get(name)`` that runs ``speccache precompute`` once for
-    each named run of ``table`` (``{name: (architecture, extra CLI args)}``, fp32 target) and returns its cache."""
+    each named run of ``table`` (``{name: (architecture, extra CLI args)}``, fp32 target) and returns its cache.
+    The caches are computed on the CPU, where the tests' own reference forwards run, even on a machine with a GPU:
+    exact comparisons with a reference computed on another device fail by rounding."""
     from speccache.cli import main
 
     def make(table: dict[str, tuple[str, list[str]]], data: str, limit: int, max_length: int) -> Callable[[str], str]:
@@ -56,7 +58,8 @@ def precompute_runs(tiny_models, tmp_path_factory: pytest.TempPathFactory) -> Ca
                 arch, extra = table[name]
                 out = str(base / name)
                 argv = ["precompute", "--model", tiny_models(arch), "--data", data, "--out", out, "--limit", str(limit),
-                        "--max-length", str(max_length), "--model-dtype", "fp32", "--quiet", *extra]  # fmt: skip
+                        "--max-length", str(max_length), "--model-dtype", "fp32", "--quiet", "--device", "cpu",
+                        *extra]  # fmt: skip
                 assert main(argv) == 0
                 done[name] = out
             return done[name]

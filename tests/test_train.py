@@ -45,7 +45,9 @@ from speccache.train.trainer import draft_for_cache, make_optimizer, train, trai
 pytestmark = pytest.mark.usefixtures("offline_single_thread")
 
 DATA = demo_data_path("sharegpt")
+# --device cpu: the exact comparisons with a live forward run it on the CPU, also on a machine with a GPU
 COMMON = ["--model-dtype", "fp32", "--dtype", "fp32", "--max-length", "128", "--quiet", "--draft-vocab-size", "300"]
+COMMON += ["--device", "cpu"]
 
 
 @pytest.fixture(scope="module")
