@@ -18,10 +18,10 @@ seconds): a rerun skips them, continues an interrupted regenerate or precompute 
 stage whose command changed (choose another ``--work``). ``--quick`` proves the script end to end in minutes
 (tiny sizes, short answers, one epoch; its own work directory).
 
-Usage: python benchmarks/acceptance.py [--sizes 250,500,1000] [--held-out 100] [--eval-prompts 40]
-    [--max-new-tokens 256] [--eval-new-tokens 64] [--epochs 6] [--ttt-steps 2] [--lr 2e-3] [--batch-size 4]
-    [--warmup 0.05] [--step-decay 0.8] [--threads 1] [--jobs 1] [--engine hf] [--regen-batch-size 16]
-    [--work bench-out/acceptance] [--out docs/acceptance.md] [--quick]
+Usage: python benchmarks/acceptance.py [--sizes 250,500,1000] [--held-out 100] [--eval-prompts 20]
+    [--max-new-tokens 128] [--eval-new-tokens 64] [--epochs 5] [--ttt-steps 3] [--lr 2e-3] [--batch-size 4]
+    [--warmup 0.05] [--step-decay 0.8] [--supervise all] [--threads 1] [--jobs 1] [--engine hf]
+    [--regen-batch-size 64] [--work bench-out/acceptance] [--out docs/acceptance.md] [--quick]
 """
 
 from __future__ import annotations
@@ -194,22 +194,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="250,500,1000", help="training conversations per draft, comma-separated")
     p.add_argument("--held-out", type=int, default=100, help="held-out prompts regenerated and cached")
-    p.add_argument("--eval-prompts", type=int, default=40, help="held-out prompts decoded speculatively")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="regenerate: most tokens per answer")
-    p.add_argument(
-        "--regen-batch-size",
-        type=int,
-        default=16,
-        help="regenerate --batch-size (more on a GPU)",
-    )
+    p.add_argument("--eval-prompts", type=int, default=20, help="held-out prompts decoded speculatively")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="regenerate: most tokens per answer")
+    p.add_argument("--regen-batch-size", type=int, default=64, help="regenerate --batch-size (more on a GPU)")
     p.add_argument("--eval-new-tokens", type=int, default=64, help="evaluate: most new tokens per prompt")
-    p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--ttt-steps", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--warmup", type=float, default=0.05)
     p.add_argument("--step-decay", type=float, default=0.8)
-    p.add_argument("--supervise", default="generated", help="train --supervise: generated (default) or all")
+    p.add_argument("--supervise", default="all", help="train --supervise: all (default) or generated")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS and --threads of every stage")
     p.add_argument("--jobs", type=int, default=1, help="sizes whose cache, training and evaluation run side by side")
     p.add_argument(
