@@ -206,7 +206,7 @@ def main() -> None:
     p.add_argument("--step-decay", type=float, default=0.8)
     p.add_argument("--supervise", default="all", help="train --supervise: all (default) or generated")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS and --threads of every stage")
-    p.add_argument("--jobs", type=int, default=1, help="sizes whose cache, training and evaluation run side by side")
+    p.add_argument("--jobs", type=int, default=1, help="stages side by side: both regenerates, then sizes' chains")
     p.add_argument(
         "--model-dtype",
         default=None,
