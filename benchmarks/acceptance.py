@@ -143,6 +143,7 @@ def report(args: argparse.Namespace, sizes: list[int], work: str, stages: Stages
         f"speculative decoding of the first {args.eval_prompts} held-out prompts, at most {args.eval_new_tokens} "
         f"new tokens, k = 3, fp32 target. Draft: `--epochs {args.epochs} --ttt-steps {args.ttt_steps} --lr {args.lr} "
         f"--batch-size {args.batch_size} --warmup {args.warmup} --step-decay {args.step_decay} "
+        f"--compute-dtype {args.train_dtype} "
         f"--supervise {args.supervise}`.",
         "",
         "| N | proposer | tau | vs best baseline | speed-up | identical to greedy | teacher-forced per step "
@@ -205,6 +206,11 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=0.05)
     p.add_argument("--step-decay", type=float, default=0.8)
     p.add_argument("--supervise", default="all", help="train --supervise: all (default) or generated")
+    p.add_argument(
+        "--train-dtype",
+        default=None,
+        help="train --compute-dtype: bf16 (autocast) or fp32 (default: bf16 where the device computes it natively)",
+    )
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS and --threads of every stage")
     p.add_argument("--jobs", type=int, default=1, help="stages side by side: both regenerates, then sizes' chains")
     p.add_argument(
@@ -241,6 +247,7 @@ def main() -> None:
     model = args.model or ensure_real_target()
     stages = Stages(work)
     compute = args.model_dtype or fast_compute_dtype(target_device(None))
+    args.train_dtype = args.train_dtype or fast_compute_dtype(target_device(None))
     threads = ["--threads", str(args.threads)]
 
     def regenerate(split: str, rows: int) -> None:
@@ -276,7 +283,8 @@ def main() -> None:
         draft = os.path.join(work, f"draft-{n}")
         recipe = ["--epochs", str(args.epochs), "--ttt-steps", str(args.ttt_steps), "--lr", str(args.lr)]
         recipe += ["--batch-size", str(args.batch_size), "--warmup", str(args.warmup)]
-        recipe += ["--step-decay", str(args.step_decay), "--supervise", args.supervise, *threads]
+        recipe += ["--step-decay", str(args.step_decay), "--supervise", args.supervise]
+        recipe += ["--compute-dtype", args.train_dtype, *threads]
         stages.run(f"train-{n}", ["train", out, "--out", draft, *recipe], draft, env)
         evaluate = ["evaluate", draft, "--cache", os.path.join(work, "cache-eval"), "--model", model, "--k", "3"]
         evaluate += ["--prompts", str(args.eval_prompts), "--max-new-tokens", str(args.eval_new_tokens)]

@@ -6,6 +6,7 @@
 * greedy speculative decoding with every proposer gives the target's own greedy output token for token;
 * offline equals online: a few training steps from an fp32 cache and from the target's features computed live
   give identical losses and parameters;
+* ``--compute-dtype bf16`` trains under autocast, near the fp32 run, and saves fp32 weights;
 * on the real target (SmolLM2-135M-Instruct), ``in_draft[t]`` is row ``t``'s argmax and ``position_mask`` counts
   the row that predicts each turn's first generated token and not the row after its end-of-turn.
 """
@@ -177,6 +178,24 @@ def test_offline_equals_online(caches):
     for name, value in offline_params.items():
         assert torch.equal(value, online_params[name]), name
     assert not torch.equal(offline_params["fc.weight"], draft_for_cache(cache)[0].fc.weight), "it trained"
+
+
+def test_bf16_compute_runs_under_autocast_and_keeps_fp32_weights(caches, tmp_path, capsys):
+    losses = {}
+    for dtype in ("fp32", "bf16"):
+        out = str(tmp_path / dtype)
+        result = train(caches["train"], out, max_steps=12, lr=3e-3, ttt_steps=2, batch_size=8, compute_dtype=dtype)
+        losses[dtype] = result.losses
+    fp32, bf16 = losses["fp32"], losses["bf16"]
+    # the same weights and first batch: bf16 products round differently, but not far
+    assert bf16[0] != fp32[0] and abs(bf16[0] - fp32[0]) < 0.02 * fp32[0], (fp32[0], bf16[0])
+    assert sum(bf16[-3:]) < sum(bf16[:3]), bf16
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text(encoding="utf-8"))
+    assert config["speccache"]["training"]["compute_dtype"] == "bf16"
+    tensors = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    assert {v.dtype for v in tensors.values() if v.is_floating_point()} == {torch.float32}
+    assert main(["train", caches["train"], "--out", str(tmp_path / "fp16"), "--compute-dtype", "fp16"]) == 2
+    assert "--compute-dtype 'fp16' is unknown; choose one of fp32, bf16" in capsys.readouterr().err
 
 
 def test_alignment_on_the_real_target(real_model, tmp_path):

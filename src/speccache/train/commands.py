@@ -31,6 +31,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         step_decay=args.step_decay,
         supervise=args.supervise,
         intermediate_size=args.intermediate_size,
+        compute_dtype=args.compute_dtype,
         device=args.device,
         log=lambda line: print(line, flush=True),
     )
@@ -125,6 +126,11 @@ def register_commands(sub: Any) -> None:
         help="rows the loss grades: generated (default: the loss mask's) or all (prompts too; more to learn from)",
     )
     p.add_argument("--intermediate-size", type=int, default=None, help="the draft's MLP width (default 2 * hidden)")
+    p.add_argument(
+        "--compute-dtype",
+        default="fp32",
+        help="the draft's forward: fp32 (default, exact) or bf16 (autocast; fp32 weights and optimizer)",
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest on a busy CPU)")
     p.set_defaults(func=cmd_train)

@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import Sampler
 
 from speccache.devices import target_device
+from speccache.methods.base import DTYPES, dtype_name
 from speccache.methods.eagle3 import (
     SIDE_FILE,
     Eagle3CacheDataset,
@@ -156,13 +157,17 @@ def train_steps(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     step_decay: float = 1.0,
     supervise: str = "generated",
+    compute_dtype: torch.dtype = torch.float32,
 ) -> list[float]:
     """One optimizer step per batch (then one ``scheduler`` step); returns the losses (``on_step(i, loss)`` after
-    each)."""
+    each). A ``compute_dtype`` other than fp32 runs the forward under autocast (the weights, their gradients and
+    the optimizer stay fp32; the loss is taken in fp32)."""
     draft.train()
+    device_type = next(draft.parameters()).device.type
     losses = []
     for i, batch in enumerate(batches):
-        loss = draft_loss(draft, batch, head, steps, step_decay, supervise)
+        with torch.autocast(device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
+            loss = draft_loss(draft, batch, head, steps, step_decay, supervise)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), MAX_GRAD_NORM)
@@ -212,6 +217,7 @@ def train(
     step_decay: float = 1.0,
     supervise: str = "generated",
     intermediate_size: int | None = None,
+    compute_dtype: str = "fp32",
     device: str | None = None,
     log: Callable[[str], None] | None = None,
 ) -> TrainResult:
@@ -219,14 +225,16 @@ def train(
 
     ``warmup`` is the share of the steps the learning rate warms up over before its cosine decay, ``step_decay``
     the weight ratio of consecutive training-time-test steps in the loss, ``supervise`` which rows the loss grades
-    (``generated``: the loss mask's; ``all``: every row), ``intermediate_size`` the draft's MLP
-    width (default twice the hidden size), ``device`` where to train (see :func:`speccache.devices.target_device`).
+    (``generated``: the loss mask's; ``all``: every row), ``intermediate_size`` the draft's MLP width (default
+    twice the hidden size), ``compute_dtype`` the forward's (``fp32``, or ``bf16`` under autocast: 1.6x faster on
+    a CPU with bf16 instructions, docs/training.md), ``device`` where to train (see
+    :func:`speccache.devices.target_device`).
 
     Raises:
         FileExistsError: ``out`` already holds a draft (checked before training).
         ValueError: a non-positive ``epochs``, ``batch_size``, ``ttt_steps``, ``lr``, ``max_steps``,
-            ``step_decay`` or ``intermediate_size``, a ``warmup`` outside [0, 1), an unknown ``supervise`` or an
-            unusable ``device``.
+            ``step_decay`` or ``intermediate_size``, a ``warmup`` outside [0, 1), an unknown ``supervise`` or
+            ``compute_dtype``, or an unusable ``device``.
     """
     counts = {"--epochs": epochs, "--batch-size": batch_size, "--ttt-steps": ttt_steps, "--max-steps": max_steps}
     for name, value in counts.items():
@@ -242,6 +250,7 @@ def train(
         raise ValueError(f"--supervise {supervise!r} is unknown; choose one of generated, all")
     if not 0 <= warmup < 1:
         raise ValueError(f"--warmup {warmup} must be a share of the steps in [0, 1)")
+    compute_dtype = dtype_name(compute_dtype, "--compute-dtype", ("fp32", "bf16"))
     where = target_device(device)
     check_new_draft_dir(out)
     torch.manual_seed(seed)
@@ -268,7 +277,9 @@ def train(
         if left <= 0:
             break
         batches = ({k: v.to(where, non_blocking=True) for k, v in b.items()} for b in itertools.islice(loader, left))
-        losses += train_steps(draft, batches, head, optimizer, ttt_steps, report, scheduler, step_decay, supervise)
+        losses += train_steps(
+            draft, batches, head, optimizer, ttt_steps, report, scheduler, step_decay, supervise, DTYPES[compute_dtype]
+        )
     seconds = time.monotonic() - started
     trained = {
         "epochs": epochs,
@@ -279,6 +290,7 @@ def train(
         "warmup": warmup,
         "step_decay": step_decay,
         "supervise": supervise,
+        "compute_dtype": compute_dtype,
         "schedule": "cosine",
     }
     extra = {
