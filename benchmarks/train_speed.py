@@ -9,7 +9,7 @@ and CPU milliseconds per token (the batches' real tokens, padding not counted), 
 and the losses, so that two versions of the trainer can be compared for speed and for identical results (run it
 with ``PYTHONPATH`` set to each version's ``src``). The first step is not timed (one-time allocations). With
 several ``--compute-dtypes`` the same steps run in each, one after the other from the same fresh draft, and the
-last line gives each one's wall time per token against the first's.
+last line gives each run's speed against the first's (name a dtype twice to alternate them).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main() -> None:
     sampler.set_epoch(0)
     batches = list(itertools.islice(loader, args.steps + 1))
     tokens = sum(int(b["attention_mask"].sum()) for b in batches[1:])
-    walls = {}
+    walls = []
     for name in args.compute_dtypes.split(","):
         dtype = DTYPES[dtype_name(name, "--compute-dtypes", ("fp32", "bf16"))]
         torch.manual_seed(0)
@@ -56,7 +56,7 @@ def main() -> None:
         wall, cpu = time.perf_counter(), time.process_time()
         losses += train_steps(draft, batches[1:], head, optimizer, **run)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        walls[name] = wall
+        walls.append((name, wall))
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(
@@ -69,9 +69,8 @@ def main() -> None:
         )
         print(f"  load average {load}")
         print("  losses " + " ".join(f"{loss:.9g}" for loss in losses))
-    first = next(iter(walls))
-    speeds = ", ".join(f"{k} {walls[first] / v:.2f}x" for k, v in walls.items())
-    print(f"speed (wall per token) against {first}: {speeds}")
+    speeds = ", ".join(f"{name} {walls[0][1] / wall:.2f}x" for name, wall in walls)
+    print(f"speed (wall per token) against the first run ({walls[0][0]}): {speeds}")
 
 
 if __name__ == "__main__":
