@@ -7,7 +7,8 @@ For each training size N of ``--sizes`` (the smaller ones are prefixes of the la
 1. ``speccache regenerate`` answers the largest N training prompts and the held-out prompts (greedy; in bf16
    where the CPU or GPU computes it natively, else fp32: ``--model-dtype``);
 2. ``speccache precompute`` caches the first N regenerated training conversations, and the held-out ones once;
-3. ``speccache train`` trains a draft on each training cache (the recipe's flags below);
+3. ``speccache train`` trains a draft on each training cache (the recipe's flags below; its forward under bf16
+   autocast where the device computes bf16 natively, ``--train-dtype``);
 4. ``speccache evaluate`` measures it on the held-out cache: teacher-forced per-step acceptance, and greedy
    speculative decoding with the target against plain greedy decoding, prompt lookup and the n-gram table of
    the same training cache.
@@ -19,8 +20,9 @@ stage whose command changed (choose another ``--work``). ``--quick`` proves the 
 (tiny sizes, short answers, one epoch; its own work directory).
 
 Usage: python benchmarks/acceptance.py [--sizes 250,500,1000] [--held-out 100] [--eval-prompts 20]
-    [--max-new-tokens 128] [--eval-new-tokens 64] [--epochs 5] [--ttt-steps 3] [--lr 2e-3] [--batch-size 4]
-    [--warmup 0.05] [--step-decay 0.8] [--supervise all] [--threads 1] [--jobs 1] [--engine hf]
+    [--max-new-tokens 128] [--eval-new-tokens 64] [--epochs 15] [--ttt-steps 3] [--lr 2e-3] [--batch-size 4]
+    [--warmup 0.05] [--step-decay 0.8] [--supervise all] [--train-dtype bf16|fp32] [--threads 1] [--jobs 1]
+    [--model-dtype bf16|fp32] [--engine hf]
     [--regen-batch-size 64] [--work bench-out/acceptance] [--out docs/acceptance.md] [--quick]
 """
 
@@ -199,7 +201,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="regenerate: most tokens per answer")
     p.add_argument("--regen-batch-size", type=int, default=64, help="regenerate --batch-size (more on a GPU)")
     p.add_argument("--eval-new-tokens", type=int, default=64, help="evaluate: most new tokens per prompt")
-    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=15)
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--batch-size", type=int, default=4)

@@ -143,11 +143,12 @@ def test_supervise_all_grades_every_row_whatever_the_loss_mask(cache):
 def test_train_cli_takes_the_recipe_flags_and_records_them(cache, tmp_path, capsys):
     out = str(tmp_path / "draft")
     argv = ["train", cache, "--out", out, "--epochs", "2", "--ttt-steps", "2", "--warmup", "0.2"]
+    argv += ["--compute-dtype", "bfloat16"]  # torch's name is taken, the short one recorded
     assert main([*argv, "--step-decay", "0.8", "--intermediate-size", "24", "--lr", "3e-3", "--supervise", "all"]) == 0
     assert "loss" in capsys.readouterr().out
     record = draft_record(out)
     assert record["training"]["warmup"] == 0.2 and record["training"]["step_decay"] == 0.8
-    assert record["training"]["supervise"] == "all"
+    assert record["training"]["supervise"] == "all" and record["training"]["compute_dtype"] == "bf16"
     assert record["training"]["steps"] == 2 * 5  # 40 samples in batches of 8, every sample once per epoch
     assert record["draft_config"]["intermediate_size"] == 24
 
