@@ -248,8 +248,9 @@ def main() -> None:
     }
     model = args.model or ensure_real_target()
     stages = Stages(work)
-    compute = args.model_dtype or fast_compute_dtype(target_device(None))
-    args.train_dtype = args.train_dtype or fast_compute_dtype(target_device(None))
+    fastest = fast_compute_dtype(target_device(None))
+    compute = args.model_dtype or fastest
+    args.train_dtype = args.train_dtype or fastest
     threads = ["--threads", str(args.threads)]
 
     def regenerate(split: str, rows: int) -> None:

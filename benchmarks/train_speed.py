@@ -25,7 +25,7 @@ import torch
 from speccache.methods.base import DTYPES, dtype_name
 from speccache.methods.eagle3 import Eagle3CacheDataset, build_eagle3_dataloader
 from speccache.read.source import reader_sampler
-from speccache.train.trainer import LengthGroupedSampler, draft_for_cache, make_optimizer, train_steps
+from speccache.train.trainer import COMPUTE_DTYPES, LengthGroupedSampler, draft_for_cache, make_optimizer, train_steps
 
 
 def main() -> None:
@@ -47,7 +47,7 @@ def main() -> None:
     tokens = sum(int(b["attention_mask"].sum()) for b in batches[1:])
     walls = []
     for name in args.compute_dtypes.split(","):
-        dtype = DTYPES[dtype_name(name, "--compute-dtypes", ("fp32", "bf16"))]
+        dtype = DTYPES[dtype_name(name, "--compute-dtypes", COMPUTE_DTYPES)]
         torch.manual_seed(0)
         draft, head = draft_for_cache(args.cache)
         optimizer = make_optimizer(draft, 2e-3)

@@ -39,6 +39,7 @@ from speccache.read.source import reader_sampler
 from speccache.train.draft import DraftConfig, Eagle3Draft, check_new_draft_dir, save_draft
 
 __all__ = [
+    "COMPUTE_DTYPES",
     "LengthGroupedSampler",
     "TrainResult",
     "draft_for_cache",
@@ -113,6 +114,9 @@ def draft_for_cache(cache_dir: str, intermediate_size: int | None = None) -> tup
     draft = Eagle3Draft(shape, tensors["embed_tokens"], tensors["lm_head"], tensors["d2t"], tensors["t2d"])
     return draft, TargetHead.from_cache(cache_dir)
 
+
+COMPUTE_DTYPES = ("fp32", "bf16")
+"""``--compute-dtype`` names: fp32, or bf16 under autocast (fp16 would need a gradient scaler)."""
 
 # Gradients are clipped to this norm: the first steps on a fresh fc layer can be large.
 MAX_GRAD_NORM = 1.0
@@ -250,7 +254,7 @@ def train(
         raise ValueError(f"--supervise {supervise!r} is unknown; choose one of generated, all")
     if not 0 <= warmup < 1:
         raise ValueError(f"--warmup {warmup} must be a share of the steps in [0, 1)")
-    compute_dtype = dtype_name(compute_dtype, "--compute-dtype", ("fp32", "bf16"))
+    compute_dtype = dtype_name(compute_dtype, "--compute-dtype", COMPUTE_DTYPES)
     where = target_device(device)
     check_new_draft_dir(out)
     torch.manual_seed(seed)
