@@ -19,8 +19,8 @@ seconds): a rerun skips them, continues an interrupted regenerate or precompute 
 stage whose command changed (choose another ``--work``). ``--quick`` proves the script end to end in minutes
 (tiny sizes, short answers, one epoch; its own work directory).
 
-Usage: python benchmarks/acceptance.py [--sizes 250,500,1000] [--held-out 100] [--eval-prompts 20]
-    [--max-new-tokens 128] [--eval-new-tokens 64] [--epochs 15] [--ttt-steps 3] [--lr 2e-3] [--batch-size 4]
+Usage: python benchmarks/acceptance.py [--sizes 250,500,1000] [--held-out 100] [--eval-prompts 100]
+    [--max-new-tokens 128] [--eval-new-tokens 64] [--epochs 20] [--ttt-steps 3] [--lr 2e-3] [--batch-size 4]
     [--warmup 0.05] [--step-decay 0.8] [--supervise all] [--train-dtype bf16|fp32] [--threads 1] [--jobs 1]
     [--model-dtype bf16|fp32] [--engine hf]
     [--regen-batch-size 64] [--work bench-out/acceptance] [--out docs/acceptance.md] [--quick]
@@ -159,7 +159,7 @@ def report(args: argparse.Namespace, sizes: list[int], work: str, stages: Stages
         best = max(spec[name]["tau"] for name in ("prompt_lookup", "ngram"))
         for name in ("greedy", "draft", "prompt_lookup", "ngram"):
             r = spec[name]
-            ratio = f"{r['tau'] / best:.2f}x" if name == "draft" else ""
+            ratio = f"{r['tau'] / best:.3f}x" if name == "draft" else ""
             steps = _fmt_steps(tf[name]["per_step"]) if name in tf else ""
             accepted = f"{tf[name]['mean_accepted']:.3f}" if name in tf else ""
             same = "yes" if r["identical_to_greedy"] else "NO"
@@ -197,11 +197,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="250,500,1000", help="training conversations per draft, comma-separated")
     p.add_argument("--held-out", type=int, default=100, help="held-out prompts regenerated and cached")
-    p.add_argument("--eval-prompts", type=int, default=20, help="held-out prompts decoded speculatively")
+    p.add_argument(
+        "--eval-prompts", type=int, default=None, help="held-out prompts decoded speculatively (default: all of them)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=128, help="regenerate: most tokens per answer")
     p.add_argument("--regen-batch-size", type=int, default=64, help="regenerate --batch-size (more on a GPU)")
     p.add_argument("--eval-new-tokens", type=int, default=64, help="evaluate: most new tokens per prompt")
-    p.add_argument("--epochs", type=int, default=15)
+    p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--batch-size", type=int, default=4)
@@ -230,6 +232,9 @@ def main() -> None:
     if args.quick:
         for name, value in QUICK.items():
             setattr(args, name, value)
+    # every held-out prompt: at 20 prompts the ratio of the 1,000-conversation draft to the n-gram table read 1.20x
+    # where all 100 gave 1.25x and the teacher-forced measure over every held-out token 1.29
+    args.eval_prompts = args.eval_prompts or args.held_out
     command = shlex.join(["python", "benchmarks/acceptance.py", *sys.argv[1:]])
     sizes = sorted(int(s) for s in args.sizes.split(","))
     work = args.work or ("bench-out/acceptance-quick" if args.quick else "bench-out/acceptance")
