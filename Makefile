@@ -86,7 +86,7 @@ bench: install
 
 # The acceptance run of issue 21 (benchmarks/acceptance.py): regenerate answers to the bundled prompts with
 # SmolLM2-135M-Instruct, precompute, train a draft per size and evaluate it against prompt lookup and the n-gram
-# table, into docs/acceptance.md. About 2.4 hours on 2 cores with bf16 instructions (--jobs 2: two stages side by
+# table, into docs/acceptance.md. About 2.7 hours on 2 cores with bf16 instructions (--jobs 2: two stages side by
 # side, one thread each); fp32 compute for the target, so the features are the ones the evaluator's fp32 target gives;
 # a rerun skips finished stages (bench-out/acceptance).
 # ACCEPTANCE_ARGS: e.g. --quick (minutes), or --sizes 250,500,1000 --engine vllm in .venv-vllm.
