@@ -236,7 +236,8 @@ def main() -> None:
             setattr(args, name, value)
     # every held-out prompt: at 20 prompts the ratio of the 1,000-conversation draft to the n-gram table read 1.20x
     # where all 100 gave 1.248x and the teacher-forced measure over every held-out token 1.29
-    args.eval_prompts = args.eval_prompts or args.held_out
+    if args.eval_prompts is None:
+        args.eval_prompts = args.held_out
     command = shlex.join(["python", "benchmarks/acceptance.py", *sys.argv[1:]])
     sizes = sorted(int(s) for s in args.sizes.split(","))
     work = args.work or ("bench-out/acceptance-quick" if args.quick else "bench-out/acceptance")
