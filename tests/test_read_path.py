@@ -211,6 +211,34 @@ def test_prefetched_samples_are_read_ahead_in_file_order(tmp_path, monkeypatch):
     assert PackCollator(["hidden"])(ds.__getitems__([13, 5]))["hidden"].shape == (600, 256)
 
 
+def test_each_shards_reads_are_queued_before_the_next_shard_is_opened(tmp_path, monkeypatch):
+    # The disk starts on the first shard while the next shards' headers are read.
+    import speccache.read.dataset as dataset_module
+
+    path = str(tmp_path / "c")
+    _sequential_cache(path)
+    events: list[tuple[str, int]] = []
+    monkeypatch.setattr(dataset_module, "_NOWAIT", [0])  # nothing counts as cached
+    submit, open_shard = dataset_module._ReadAhead.submit, CacheDataset._open_shard
+
+    def record_submit(self, ranges):
+        ranges = list(ranges)
+        events.append(("submit", ranges[0][0].path))
+        submit(self, ranges)
+
+    def record_open(self, index):
+        if index not in self._open:
+            events.append(("open", index))
+        return open_shard(self, index)
+
+    monkeypatch.setattr(dataset_module._ReadAhead, "submit", record_submit)
+    monkeypatch.setattr(CacheDataset, "_open_shard", record_open)
+    ds = CacheDataset(path, keys=["hidden"])
+    ds.prefetch([13, 5, 2, 9, 3])
+    assert events == [("open", 1), ("submit", shard_path(path, 1)), ("open", 0), ("submit", shard_path(path, 0))]
+    ds._read_ahead().close()
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_read_ahead_thread_changes_no_batch(cache, monkeypatch, workers):
     import speccache.read.dataset as dataset_module

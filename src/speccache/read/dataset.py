@@ -686,22 +686,26 @@ class CacheDataset(Dataset):
         (probing and queueing each would cost more than a fault). A background thread
         reads them shard by shard, in the order the indices first need the shards, each
         in file order, so that the disk streams through them; a batch that needs one of
-        them before it is read waits for it.
+        them before it is read waits for it. Each shard's reads are queued as soon as
+        that shard is open, so that the disk starts on the first shard while the
+        others' headers are read.
         """
         probe = memoryview(bytearray(1))
-        wanted = []
-        first_use: dict[int, int] = {}  # shards in the order the indices first need them
+        by_shard: dict[int, list[int]] = {}  # in the order the indices first need the shards
         for index in indices:
             shard, local = self._split(index)
+            by_shard.setdefault(shard, []).append(local)
+        for shard, locals_ in by_shard.items():
             opened = self._open_shard(shard)
-            first_use.setdefault(shard, len(first_use))
-            for key, base in opened.long.items():
-                start, end = opened.span(key, local)
-                if end - start >= _PREAD_BYTES and not _cached_prefix(opened, probe, base + start):
-                    wanted.append((first_use[shard], base + start, end - start, opened))
-        if wanted:
-            wanted.sort(key=lambda w: w[:2])
-            self._read_ahead().submit((opened, offset, nbytes) for _, offset, nbytes, opened in wanted)
+            wanted = []
+            for local in locals_:
+                for key, base in opened.long.items():
+                    start, end = opened.span(key, local)
+                    if end - start >= _PREAD_BYTES and not _cached_prefix(opened, probe, base + start):
+                        wanted.append((base + start, end - start))
+            if wanted:
+                wanted.sort()
+                self._read_ahead().submit((opened, offset, nbytes) for offset, nbytes in wanted)
 
     def sample_lengths(self) -> list[int]:
         """Rows of each sample's ragged keys (all 1 when no key is ragged); reads only shard offsets."""
