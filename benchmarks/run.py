@@ -2,7 +2,10 @@
 
 ``make bench`` runs ``python benchmarks/run.py --out docs/benchmarks.md``. Every
 figure is a ratio of two timings taken in the same run, interleaved round by
-round (best of ``--rounds``), so that a busy machine slows both sides alike:
+round, so that a busy machine slows both sides alike: the best of ``--rounds``
+for sections 1, 2, 5 and the non-finite guard; for the read sections (3, 4, 4b),
+whose cold reads wait on a disk whose speed drifts between rounds, the median of
+the per-round ratios over ``--read-rounds``, job order shuffled each round:
 
 1. write throughput of a cache (``CacheWriter`` + ``NativeShardWriter``: encode,
    hash, temp file, fsync, rename) against writing the same bytes to plain files
@@ -29,8 +32,11 @@ Cold reads drop the page cache through /proc/sys/vm/drop_caches when permitted,
 else with ``posix_fadvise(DONTNEED)`` per file; the report says which, and how
 much of the files was still cached afterwards (``mincore``).
 
+The report is written between ``<!-- run-benchmark:begin -->`` and ``<!-- run-benchmark:end -->`` in
+``--out``; the other scripts' sections of that file are kept.
+
 Usage: python benchmarks/run.py --out docs/benchmarks.md [--work bench-out] [--scale 1.0] [--rounds 3]
-[--only SECTION ...] (sections: write, overlap, reads (3 and 4), dropin (4b), startup, nonfinite)
+[--read-rounds 7] [--only SECTION ...] (sections: write, overlap, reads (3 and 4), dropin (4b), startup, nonfinite)
 """
 
 from __future__ import annotations
@@ -49,7 +55,9 @@ import math
 import mmap
 import os
 import platform
+import random
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -63,6 +71,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from docsection import replace_section  # benchmarks/, beside this script
 from speccache.format import LENGTHS_KEY, shard_path
 from speccache.read import CacheDataset, PackCollator, PadCollator
 from speccache.read.sampler import LocalityShuffleSampler
@@ -78,6 +87,7 @@ SEED_KEYS = ("input_ids", "loss_mask", "hidden", "sample_id")
 SEED_VERSION = 1
 PAGE = mmap.PAGESIZE
 SECTIONS = ["write", "overlap", "reads", "dropin", "startup", "nonfinite"]
+BEGIN, END = "<!-- run-benchmark:begin -->", "<!-- run-benchmark:end -->"
 
 
 @dataclass
@@ -397,6 +407,47 @@ def best_of(rounds: int, jobs: dict[str, Callable[[], float]]) -> dict[str, floa
         for name, job in jobs.items():
             best[name] = min(best[name], job())
     return best
+
+
+@dataclass
+class Paired:
+    """Each job's time in every round of :func:`paired_rounds`."""
+
+    times: dict[str, list[float]]
+
+    def __getitem__(self, name: str) -> float:
+        """The job's median time."""
+        return statistics.median(self.times[name])
+
+    def ratios(self, baseline: str, job: str) -> list[float]:
+        """``baseline``'s time / ``job``'s time, round by round."""
+        return [a / b for a, b in zip(self.times[baseline], self.times[job])]
+
+    def ratio(self, baseline: str, job: str) -> float:
+        """The median of :meth:`ratios`."""
+        return statistics.median(self.ratios(baseline, job))
+
+    def spread(self, baseline: str, job: str) -> str:
+        """The smallest and largest of :meth:`ratios`."""
+        r = self.ratios(baseline, job)
+        return f"{min(r):.2f}-{max(r):.2f}x"
+
+
+def paired_rounds(rounds: int, jobs: dict[str, Callable[[], float]], seed: int = 0) -> Paired:
+    """Run every job once per round, in a new shuffled order each round; keep every time.
+
+    Cold reads are compared round by round: this shared virtual disk's speed drifts by up to 2x between
+    rounds (the plain read of one cache took 0.55-1.2 s in one hour), so the best time of each job alone
+    would compare one job's fastest disk with another's slowest.
+    """
+    order = list(jobs)
+    rng = random.Random(seed)
+    times: dict[str, list[float]] = {name: [] for name in jobs}
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            times[name].append(jobs[name]())
+    return Paired(times)
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -762,7 +813,7 @@ def bench_reads(
 
                 jobs[f"seed {order_name} warm"] = warm(seed_files, theirs)
                 jobs[f"seed {order_name} cold"] = cold(every, theirs)
-        best = best_of(rounds, jobs)
+        runs = paired_rounds(rounds, jobs)
         nbytes = sum(os.path.getsize(p) for p in native_files)
         seed_bytes = sum(os.path.getsize(p) for p in seed_files)
         label = (
@@ -771,9 +822,8 @@ def bench_reads(
         )
         for order_name in orders:
             for state in ("warm", "cold"):
-                ours_t = best[f"ours-pack {order_name} {state}"]
-                plain_t = best[f"plain {state}"]
-                r = plain_t / ours_t
+                ours, plain = f"ours-pack {order_name} {state}", f"plain {state}"
+                r = runs.ratio(plain, ours)
                 target = {("large", "warm"): 0.8, ("large", "cold"): 0.9}.get((kind.name, state))
                 met = None if target is None or order_name != "locality" else r >= target
                 rows3.append(
@@ -781,9 +831,10 @@ def bench_reads(
                         label,
                         order_name,
                         state,
-                        f"{ours_t:.2f}",
-                        f"{plain_t:.2f}",
+                        f"{runs[ours]:.2f}",
+                        f"{runs[plain]:.2f}",
                         f"{r:.2f}x",
+                        runs.spread(plain, ours),
                         f">= {target}x" if target and order_name == "locality" else "",
                         verdict(met) if met is not None else "",
                     ]
@@ -795,16 +846,18 @@ def bench_reads(
                         f"{r:.2f}x",
                         met,
                         WHY[state].format(
-                            ours_warm=best["ours-pack locality warm"],
-                            ours_cold=best["ours-pack locality cold"],
-                            plain_warm=best["plain warm"],
-                            plain_cold=best["plain cold"],
+                            ours_warm=runs["ours-pack locality warm"],
+                            ours_cold=runs["ours-pack locality cold"],
+                            plain_warm=runs["plain warm"],
+                            plain_cold=runs["plain cold"],
+                            rounds=rounds,
+                            spread=runs.spread("plain cold", "ours-pack locality cold"),
                         ),
                     )
                 if upstream is not None:
-                    seed_t = best[f"seed {order_name} {state}"]
-                    ours_t = best[f"ours-pad {order_name} {state}"]
-                    r4 = seed_t / ours_t
+                    seed, ours = f"seed {order_name} {state}", f"ours-pad {order_name} {state}"
+                    seed_t, ours_t = runs[seed], runs[ours]
+                    r4 = runs.ratio(seed, ours)
                     met4 = r4 >= 3 if kind.name == "small" else None
                     rows4.append(
                         [
@@ -814,12 +867,13 @@ def bench_reads(
                             f"{ours_t:.2f}",
                             f"{seed_t:.2f}",
                             f"{r4:.2f}x",
+                            runs.spread(seed, ours),
                             ">= 3x" if kind.name == "small" else "",
                             verdict(met4) if met4 is not None else "",
                         ]
                     )
                     if met4 is not None:
-                        ours_w, seed_w = best[f"ours-pad {order_name} warm"], best[f"seed {order_name} warm"]
+                        ours_w, seed_w = runs[f"ours-pad {order_name} warm"], runs[f"seed {order_name} warm"]
                         why = WHY[f"seed {state}"].format(
                             ours=ours_t,
                             seed=seed_t,
@@ -847,11 +901,13 @@ def bench_reads(
         "within one window of the position, and a background thread reads them into the page cache in file order "
         "while batches are collated); random order: a uniform permutation as a plain list. The baseline "
         "reads every shard file whole into one reused 16 MiB buffer: warm, right after a read that fills the "
-        "page cache; cold, sequentially after dropping it. Ratio: baseline time / speccache time (1.00x: as "
-        "fast as the plain read)."
+        "page cache; cold, sequentially after dropping it. "
+        f"{rounds} rounds, every job once per round in a new shuffled order: the times are each job's median, "
+        "the ratio is the median of the rounds' baseline time / speccache time (1.00x: as fast as the plain "
+        "read), and 'rounds' gives the smallest and largest of those per-round ratios."
     )
     report.add()
-    report.table(["samples", "order", "cache", "speccache s", "plain s", "ratio", "target", ""], rows3)
+    report.table(["samples", "order", "cache", "speccache s", "plain s", "ratio", "rounds", "target", ""], rows3)
     if upstream is not None:
         report.add("## 4. The same reads with NeMo AutoModel 0.7.0's offline cache")
         report.add()
@@ -860,10 +916,11 @@ def bench_reads(
             "cache of the same samples in its layout (fixed keys `input_ids`, `loss_mask`, `hidden`, `sample_id`, "
             "each sample padded to the longest length, as it requires; same bytes per real token), the same "
             "orders and batch sizes. speccache uses `PadCollator` here, so that both produce padded batches "
-            "(its pad to the batch's longest sample). Ratio: seed time / speccache time."
+            "(its pad to the batch's longest sample). Ratio: seed time / speccache time, in the same rounds and "
+            "with the same statistics as section 3."
         )
         report.add()
-        report.table(["samples", "order", "cache", "speccache s", "seed s", "speedup", "target", ""], rows4)
+        report.table(["samples", "order", "cache", "speccache s", "seed s", "speedup", "rounds", "target", ""], rows4)
     if cache.method:
         report.add(
             f"Page cache dropped with {cache.method}; afterwards at most {cache.residue:.1%} of the files' "
@@ -884,13 +941,15 @@ WHY = {
         "plain read runs fast, as in this run ({ours_warm:.2f} s against {plain_warm:.2f} s)."
     ),
     "cold": (
-        "The cold epoch took {ours_cold:.2f} s, the plain sequential read {plain_cold:.2f} s and the warm epoch "
-        "{ours_warm:.2f} s. Each window's samples are announced at once, and a background thread reads them into "
-        "the page cache shard by shard in file order (touching samples as one `sendfile` to /dev/null) while batches "
-        "are collated; a batch waits for a queued sample rather than seeking for it. What the plain read does not "
-        "pay: the first batch waits for its whole window to be read (its samples are shuffled across the window's "
-        "shards) before any copy starts, and where the copies are slower than the disk (busy cores: compare the warm "
-        "epoch with the plain cold read) the epoch is that wait plus the copies, not the stream alone."
+        "The cold epoch took {ours_cold:.2f} s (median of {rounds} rounds), the plain sequential read "
+        "{plain_cold:.2f} s and the warm epoch {ours_warm:.2f} s; the per-round ratios ranged over {spread}. "
+        "A background thread reads each window's samples into the page cache shard by shard in file order "
+        "(touching samples as one `sendfile` to /dev/null) while batches are collated, so the disk streams as "
+        "for the plain read. What the epoch adds to that stream: reading the first shard's header before the "
+        "stream starts, and the copies of the last window, which begin only when its last shard is read (each of "
+        "its batches has samples in every shard of the window), about the warm epoch's time times the last "
+        "window's share of the cache. Where the copies are slower than the disk (busy cores: compare the warm "
+        "epoch with the plain cold read), the epoch is the copies, not the stream."
     ),
     "seed warm": (
         "Both readers did the same work as in the other rows; the seed reader's per-sample overhead is what "
@@ -948,10 +1007,10 @@ def bench_dropin(
         for state, prepare in (("warm", functools.partial(warmed, buf)), ("cold", functools.partial(cooled, cache))):
             jobs[f"drop-in {state}"] = prepare(files, reader(dropin))
             jobs[f"seed {state}"] = prepare(files, reader(upstream))
-        best = best_of(rounds, jobs)
+        runs = paired_rounds(rounds, jobs)
         for state in ("warm", "cold"):
-            ours, theirs = best[f"drop-in {state}"], best[f"seed {state}"]
-            r = theirs / ours
+            ours, theirs = runs[f"drop-in {state}"], runs[f"seed {state}"]
+            r = runs.ratio(f"seed {state}", f"drop-in {state}")
             rows.append(
                 [
                     f"{kind.name} ({kind.num_samples} samples, {sum(map(os.path.getsize, files)) / 1e6:.0f} MB)",
@@ -959,6 +1018,7 @@ def bench_dropin(
                     f"{ours:.2f}",
                     f"{theirs:.2f}",
                     f"{r:.2f}x",
+                    runs.spread(f"seed {state}", f"drop-in {state}"),
                     ">= 1.2x",
                     verdict(r >= 1.2),
                 ]
@@ -978,10 +1038,10 @@ def bench_dropin(
         f"(`DataLoader(dataset, batch_size={DROPIN_BATCH}, sampler=<one uniform permutation>, collate_fn="
         "partial(collate_cached, keys=...), num_workers=0)`, a fresh dataset each time). Section 4 compares the "
         "native reader with the original; this one is what a NeMo user gets by switching the import. "
-        "Ratio: original time / drop-in time."
+        "Ratio: original time / drop-in time, in rounds and with statistics as in section 3."
     )
     report.add()
-    report.table(["samples", "cache", "drop-in s", "original s", "speedup", "target", ""], rows)
+    report.table(["samples", "cache", "drop-in s", "original s", "speedup", "rounds", "target", ""], rows)
     report.add(f"Page cache dropped with {cache.method}.")
     report.add()
 
@@ -1159,7 +1219,8 @@ def main(argv: list[str] | None = None) -> None:
         "--upstream", default=UPSTREAM_DEFAULT, help="nemo_automodel/.../offline_cache.py of nemo-automodel 0.7.0"
     )
     p.add_argument("--scale", type=float, default=1.0, help="scale the data sizes (1.0: ~1.2 GB large-sample caches)")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="rounds of sections 1, 2, 5 and nonfinite (best of)")
+    p.add_argument("--read-rounds", type=int, default=7, help="rounds of sections 3, 4 and 4b (medians)")
     p.add_argument("--shards", type=int, default=10_000, help="shards of the start-up cache")
     p.add_argument("--only", nargs="*", choices=SECTIONS)
     p.add_argument("--startup-child", nargs=2, metavar=("CACHE", "READER"), help=argparse.SUPPRESS)
@@ -1171,8 +1232,11 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(a.work, exist_ok=True)
     started = time.perf_counter()
     load_start = load_average()
-    upstream, upstream_where = load_upstream(a.upstream, a.work)
     sections = set(a.only or SECTIONS)
+    if sections & {"overlap", "reads", "dropin", "startup"}:
+        upstream, upstream_where = load_upstream(a.upstream, a.work)
+    else:
+        upstream, upstream_where = None, "not needed by these sections"
     report = Report()
     cache = PageCache()
     body = Report()
@@ -1181,12 +1245,12 @@ def main(argv: list[str] | None = None) -> None:
     if "overlap" in sections:
         bench_overlap(body, a.work, a.scale, a.rounds, upstream)
     if "reads" in sections:
-        bench_reads(body, a.work, [LARGE.scaled(a.scale), SMALL.scaled(a.scale)], a.rounds, upstream, cache)
+        bench_reads(body, a.work, [LARGE.scaled(a.scale), SMALL.scaled(a.scale)], a.read_rounds, upstream, cache)
     if "dropin" in sections:
         if upstream is None:
             body.add(f"Section 4b (the NeMo drop-in against the original) skipped: {upstream_where}.")
         else:
-            bench_dropin(body, a.work, [LARGE.scaled(a.scale), SMALL.scaled(a.scale)], a.rounds, upstream, cache)
+            bench_dropin(body, a.work, [LARGE.scaled(a.scale), SMALL.scaled(a.scale)], a.read_rounds, upstream, cache)
     if "startup" in sections:
         bench_startup(
             body, a.work, a.rounds, upstream, a.upstream if upstream is None else upstream_where, cache, a.shards
@@ -1200,7 +1264,7 @@ def main(argv: list[str] | None = None) -> None:
     report.add()
     report.add(
         f"Generated by `make bench` (`python benchmarks/run.py --out {a.out}`) on {now} in {elapsed / 60:.1f} min "
-        f"(scale {a.scale}, best of {a.rounds} interleaved rounds)."
+        f"(scale {a.scale}; best of {a.rounds} interleaved rounds, read sections: medians of {a.read_rounds})."
     )
     report.add()
     report.add("Machine:")
@@ -1211,7 +1275,7 @@ def main(argv: list[str] | None = None) -> None:
         f"- load average (1/5/15 min) at start {load_start}, at end {load_average()}: other jobs shared the "
         "machine, which is why every figure is a ratio of timings interleaved in the same run"
     )
-    report.add(f"- seed module: {upstream_where if upstream is not None else upstream_where}")
+    report.add(f"- seed module: {upstream_where}")
     report.add()
     report.add("## Targets")
     report.add()
@@ -1223,8 +1287,8 @@ def main(argv: list[str] | None = None) -> None:
         report.add()
     report.lines.extend(body.lines)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        f.write("\n".join(report.lines).rstrip() + "\n")
+    text = "\n".join([BEGIN, *report.lines]).rstrip() + f"\n{END}\n"
+    replace_section(a.out, text, BEGIN, END)
 
 
 if __name__ == "__main__":
