@@ -217,7 +217,7 @@ def test_each_shards_reads_are_queued_before_the_next_shard_is_opened(tmp_path, 
 
     path = str(tmp_path / "c")
     _sequential_cache(path)
-    events: list[tuple[str, int]] = []
+    events: list[tuple[str, int | str]] = []
     monkeypatch.setattr(dataset_module, "_NOWAIT", [0])  # nothing counts as cached
     submit, open_shard = dataset_module._ReadAhead.submit, CacheDataset._open_shard
 
