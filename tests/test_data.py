@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import multiprocessing
+import multiprocessing.pool
 import os
 import re
 import shutil
+import signal
 import subprocess
 
 import numpy as np
@@ -384,6 +387,41 @@ def test_worker_processes_give_the_samples_and_stats_of_one_process(tmp_path, to
     with pytest.raises(DataError, match=re.escape(f"{path}:2: invalid JSON")):
         load_samples(path, tok, 40, num_proc=2)
     assert load_samples(path, tok, 40, skip_bad_rows=True, num_proc=2, limit=3)[0] == one[0][:3]
+
+
+def _ctrl_c_as_the_pool_starts(monkeypatch) -> None:
+    """Sends this process a Ctrl-C inside ``Pool()``, once its workers are forked and before it can be closed.
+
+    That is where a terminal's Ctrl-C most often lands when it comes early in a run; ``Pool.__init__`` forks the
+    workers in ``_repopulate_pool`` and registers the finalizer that would terminate them only at its end.
+    """
+    fork_workers = multiprocessing.pool.Pool._repopulate_pool
+
+    def interrupted(self):
+        fork_workers(self)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(multiprocessing.pool.Pool, "_repopulate_pool", interrupted)
+
+
+def test_ctrl_c_while_the_worker_pool_starts_closes_its_workers(tmp_path, tok, monkeypatch):
+    # Interrupted inside Pool(), the run used to lose the pool: its forked workers waited on the task queue forever.
+    _ctrl_c_as_the_pool_starts(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        load_samples(_mixed_file(tmp_path), tok, 40, skip_bad_rows=True, num_proc=2)
+    assert multiprocessing.active_children() == []
+
+
+def test_a_run_that_ignores_ctrl_c_keeps_ignoring_it_while_the_worker_pool_starts(tmp_path, tok, monkeypatch):
+    path = _mixed_file(tmp_path)
+    _ctrl_c_as_the_pool_starts(monkeypatch)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell starts a background job
+    try:
+        samples, _ = load_samples(path, tok, 40, skip_bad_rows=True, num_proc=2)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert samples == load_samples(path, tok, 40, skip_bad_rows=True)[0]
 
 
 def test_rows_split_across_ranks_merge_into_the_whole(tmp_path, tok):

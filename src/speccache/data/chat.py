@@ -37,6 +37,7 @@ first three are errors unless ``skip_bad_rows``; the last two are always skipped
 from __future__ import annotations
 
 import collections
+import contextlib
 import gzip
 import heapq
 import io
@@ -44,6 +45,7 @@ import itertools
 import json
 import os
 import signal
+import threading
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -984,6 +986,28 @@ def _init_pool_worker(tokenizer: Any, fmt: ChatFormat | None) -> None:
     _init_worker(tokenizer, fmt)
 
 
+@contextlib.contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    """Holds back Ctrl-C (SIGINT) in the main thread until the block ends, then delivers it.
+
+    ``multiprocessing.Pool()`` interrupted half-way leaves forked workers that nothing closes: they wait on the
+    task queue forever after the run has ended. A worker forked inside the block also inherits the holding
+    handler, so a Ctrl-C that reaches it before its initializer ignores SIGINT does not kill it (the pool would
+    fork a replacement behind the run's back).
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield  # Ctrl-C interrupts only the main thread; a handler set outside Python cannot be restored
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            signal.raise_signal(signal.SIGINT)  # to the run's own handler, whatever it is (it may ignore it)
+
+
 class _Encoder:
     """Encodes rows in order, in ``num_proc`` forked worker processes when ``num_proc > 1``."""
 
@@ -1000,7 +1024,12 @@ class _Encoder:
             # The workers inherit the tokenizer by fork; its own thread pool must not be live across the fork.
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
             context = multiprocessing.get_context("fork")
-            self.pool = context.Pool(self.num_proc, _init_pool_worker, (self.tokenizer, self.fmt))
+            try:
+                with _ctrl_c_held():
+                    self.pool = context.Pool(self.num_proc, _init_pool_worker, (self.tokenizer, self.fmt))
+            except BaseException:
+                self.__exit__()
+                raise
         return self
 
     def __exit__(self, *exc: object) -> None:
