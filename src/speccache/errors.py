@@ -21,6 +21,7 @@ __all__ = [
     "DistributedError",
     "NonFiniteFeatureError",
     "AuditError",
+    "FollowTimeoutError",
     "OutputError",
 ]
 
@@ -71,6 +72,10 @@ class NonFiniteFeatureError(SpeccacheError, ValueError):
 
 class AuditError(SpeccacheError, ValueError):
     """``speccache audit`` cannot re-run the target on a cache (no recorded model, an unknown method)."""
+
+
+class FollowTimeoutError(SpeccacheError, TimeoutError):
+    """A reader following a cache being written waited longer than its timeout for the next shard."""
 
 
 class OutputError(SpeccacheError, OSError):

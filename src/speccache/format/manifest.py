@@ -188,6 +188,8 @@ class Manifest:
         num_tokens: recorded at seal: rows of the ragged keys in all shards.
         total_bytes: recorded at seal: bytes of all shards.
         producer: what wrote the cache.
+        reclaimed: recorded at seal: the shards a following trainer had reclaimed by then (deleted or moved after
+            use, each with its reclaim record; format/reclaim.py), in the shard table like the others.
         format_version: the layout version.
         path: where the manifest was read from (messages only).
     """
@@ -204,6 +206,7 @@ class Manifest:
     num_tokens: int | None = None
     total_bytes: int | None = None
     producer: dict[str, Any] = field(default_factory=lambda: {"name": "speccache", "version": __version__})
+    reclaimed: tuple[int, ...] = ()
     format_version: int = FORMAT_VERSION
     path: str = field(default="", compare=False)
 
@@ -272,6 +275,9 @@ class Manifest:
             for r in side.values()
         ):
             raise CacheFormatError(f"{where}: 'side_files' must map file names to {{'bytes': int, 'xxh3_128': str}}")
+        reclaimed = body.get("reclaimed", [])
+        if not isinstance(reclaimed, list) or not all(type(i) is int and i in shards for i in reclaimed):
+            raise CacheFormatError(f"{where}: 'reclaimed' must list indices of the shard table")
         cache_name, config, stats = body.get("cache_name"), body.get("config", {}), body.get("stats", {})
         if not isinstance(cache_name, str) or not isinstance(config, dict) or not isinstance(stats, dict):
             raise CacheFormatError(f"{where}: 'cache_name' must be a string, 'config' and 'stats' objects")
@@ -288,6 +294,7 @@ class Manifest:
             num_tokens=_optional_count(body.get("num_tokens")),
             total_bytes=_optional_count(body.get("total_bytes")),
             producer=body.get("producer") if isinstance(body.get("producer"), dict) else {},
+            reclaimed=tuple(reclaimed),
             format_version=version,
             path=where,
         )
@@ -316,14 +323,19 @@ class Manifest:
             body["side_files"] = {name: r.to_json() for name, r in self.side_files.items()}
         if self.stats:
             body["stats"] = self.stats
+        if self.reclaimed:
+            body["reclaimed"] = list(self.reclaimed)
         return body
 
     def write(self, cache_dir: str) -> str:
         """Write this manifest into ``cache_dir`` atomically; returns the path."""
         return write_manifest_file(cache_dir, self.to_json())
 
-    def sealed(self, shards: Iterable[ShardRecord], stats: Mapping[str, Any] | None = None) -> Manifest:
-        """This manifest completed with its shard table, totals and the error summary of lossy keys.
+    def sealed(
+        self, shards: Iterable[ShardRecord], stats: Mapping[str, Any] | None = None, reclaimed: Iterable[int] = ()
+    ) -> Manifest:
+        """This manifest completed with its shard table, totals, the error summary of lossy keys and the shards
+        reclaimed so far.
 
         Raises:
             CacheFormatError: the table does not hold exactly the shards ``0 .. num_shards - 1``.
@@ -343,6 +355,7 @@ class Manifest:
             num_tokens=sum(r.tokens for r in table.values()),
             total_bytes=sum(r.bytes for r in table.values()),
             stats=merged,
+            reclaimed=tuple(sorted(reclaimed)),
             complete=True,
         )
 

@@ -19,6 +19,8 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 SHARD_RE = re.compile(r"^shard-([0-9]{6})\.safetensors\Z")
 r"""Shard file names: exactly six ASCII digits (``\Z``, not ``$``, so a trailing newline is no match)."""
+RECLAIM_RE = re.compile(r"^shard-([0-9]{6})\.reclaimed\Z")
+"""Reclaim records: a shard a following trainer finished and deleted (or moved) on purpose (format/reclaim.py)."""
 TMP_MARK = ".tmp-"
 """Temporary files are ``<final name>.tmp-<host>-<pid>-<random>``; no reader matches them."""
 LOCK_NAME = ".speccache.lock"
@@ -51,6 +53,11 @@ def shard_path(cache_dir: str, shard_index: int) -> str:
     return os.path.join(cache_dir, f"shard-{shard_index:06d}.safetensors")
 
 
+def reclaim_path(cache_dir: str, shard_index: int) -> str:
+    """Return the path of shard ``shard_index``'s reclaim record inside ``cache_dir``."""
+    return os.path.join(cache_dir, f"shard-{shard_index:06d}.reclaimed")
+
+
 def manifest_path(cache_dir: str) -> str:
     """Return the manifest path inside ``cache_dir``."""
     return os.path.join(cache_dir, MANIFEST_NAME)
@@ -62,7 +69,7 @@ def check_no_foreign_files(
     """Refuse an output directory that holds files ``writer`` does not create (so none of them can be touched).
 
     A writer's own are the names ``own`` (a cache's manifest by default), those ``own_re`` matches (shards), the
-    lock and temporary files (``TEMP_RE``); a missing directory passes.
+    lock, temporary files (``TEMP_RE``) and reclaim records (``RECLAIM_RE``); a missing directory passes.
 
     Raises:
         CacheExistsError: names the directory, the files and the fix.
@@ -72,7 +79,10 @@ def check_no_foreign_files(
     foreign = sorted(
         name
         for name in os.listdir(directory)
-        if name not in (*own, LOCK_NAME) and not own_re.match(name) and not TEMP_RE.match(name)
+        if name not in (*own, LOCK_NAME)
+        and not own_re.match(name)
+        and not TEMP_RE.match(name)
+        and not RECLAIM_RE.match(name)
     )
     if foreign:
         raise CacheExistsError(

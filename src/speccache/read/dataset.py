@@ -47,6 +47,7 @@ from speccache.format import (
     shard_path,
     validate_contiguous_shards,
 )
+from speccache.format.reclaim import refuse_reclaimed
 from speccache.format.view import is_view
 
 Sample = dict[str, torch.Tensor]
@@ -465,17 +466,31 @@ class CacheDataset(Dataset):
         verify: check each shard's checksum the first time this process opens it.
         max_open_shards: LRU bound on open shards per process.
         allow_incomplete: read the whole shards of an unsealed cache (the contiguous prefix).
+        follow: read the cache while it is written: ``True`` or :class:`speccache.read.follow.Follow` settings
+            return a :class:`speccache.read.follow.FollowDataset` of this class's samples, in the order shards
+            are sealed (docs/training.md, "Training while the cache is written").
 
     Raises:
         FileNotFoundError: no manifest.
         CacheFormatError: wrong version or cache name, malformed or seed-layout manifest, unknown keys,
             missing or extra shards.
-        CacheIncompleteError: the cache is not sealed and ``allow_incomplete`` is off.
+        CacheIncompleteError: the cache is not sealed and ``allow_incomplete`` is off, or a following trainer
+            reclaimed some of its shards.
     """
 
-    def __new__(cls, cache_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
+    def __new__(cls, cache_dir: str | None = None, *args: Any, follow: Any = False, **kwargs: Any) -> Any:
         """A view directory (``speccache merge``/``subset``) opens as a
-        :class:`speccache.read.view.ViewDataset` whose sources are read by this class."""
+        :class:`speccache.read.view.ViewDataset` whose sources are read by this class; ``follow`` gives a
+        :class:`speccache.read.follow.FollowDataset`."""
+        if cache_dir is not None and follow is not False:
+            from speccache.read.follow import FollowDataset  # the follower builds on this module
+
+            if is_view(cache_dir):
+                raise CacheFormatError(
+                    f"{cache_dir} is a view, which selects samples of sealed caches: follow the cache being "
+                    "written itself, or read the view once its sources are sealed"
+                )
+            return FollowDataset(cls, cache_dir, *args, follow=follow, **kwargs)
         if cache_dir is not None and is_view(cache_dir):  # (unpickling calls __new__ without arguments)
             from speccache.read.view import ViewDataset  # the view reader builds on this module
 
@@ -491,6 +506,7 @@ class CacheDataset(Dataset):
         verify: bool = False,
         max_open_shards: int = 64,
         allow_incomplete: bool = False,
+        follow: bool = False,
     ) -> None:
         try:
             max_open_shards = operator.index(max_open_shards)
@@ -503,13 +519,17 @@ class CacheDataset(Dataset):
         self.manifest = Manifest.read(cache_dir, cache_name)
         self.cache_name = self.manifest.cache_name
         self.shard_size, self.num_samples = self.manifest.shard_size, self.manifest.num_samples
-        self.verify = verify
+        self.follow = bool(follow)
+        """Opened by a follower: every shard the manifest declares is readable once sealed, each checked whole."""
+        self.verify = verify or self.follow
         self.max_open_shards = max_open_shards
         schema = self.manifest.schema
         keys = self._stored_keys([keys] if isinstance(keys, str) else list(schema) if keys is None else list(keys))
         self.schema: Schema = {k: schema[k] for k in keys}
         self.keys: tuple[str, ...] = tuple(keys)
-        if not self.manifest.complete:
+        if self.follow:
+            pass  # the follower hands out only sealed shards, and knows which
+        elif not self.manifest.complete:
             if not allow_incomplete:
                 raise CacheIncompleteError(
                     (
@@ -524,6 +544,7 @@ class CacheDataset(Dataset):
                 )
             self.num_samples = _complete_prefix(cache_dir, self.num_samples, self.shard_size)
         else:
+            refuse_reclaimed(cache_dir, self.manifest)
             validate_contiguous_shards(cache_dir, self.cache_name, self.num_samples, self.shard_size)
         self._open: OrderedDict[int, _OpenShard] = OrderedDict()
         self._verified: set[int] = set()
@@ -603,6 +624,9 @@ class CacheDataset(Dataset):
             raise
         if verify:
             self._verified.add(index)
+        if self.follow:  # a reclaimed shard's space is freed only once no descriptor holds it
+            for gone in [i for i, o in self._open.items() if _unlinked(o.fd)]:
+                del self._open[gone]
         opened = self._wrap(shard)
         self._open[index] = opened
         if len(self._open) > self.max_open_shards:
@@ -720,6 +744,14 @@ def _appended_to(opened: Manifest, found: Manifest) -> bool:
     """Whether ``found`` is the manifest of an append to the cache ``opened`` describes (its appended files extend)."""
     before, after = opened.config.get("appended") or [], found.config.get("appended") or []
     return isinstance(after, list) and len(after) > len(before) and after[: len(before)] == before
+
+
+def _unlinked(fd: int) -> bool:
+    """Whether the file open as ``fd`` has been deleted (reclaimed) since."""
+    try:
+        return os.fstat(fd).st_nlink == 0
+    except OSError:
+        return True
 
 
 def _identity(path: str) -> tuple[int, int, int, int] | None:

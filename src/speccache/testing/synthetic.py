@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from speccache.format import LENGTHS_KEY, KeySpec, Manifest, Schema
-from speccache.write import CacheWriter, Comm, compute_shard_runs, init_from_env, shutdown
+from speccache.write import CacheWriter, Comm, DiskCap, compute_shard_runs, init_from_env, shutdown
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,14 @@ def write_synthetic_cache(
     resume: bool = False,
     overlap: bool = True,
     comm: Comm | None = None,
+    cap: DiskCap | None = None,
+    compute_delay: float = 0.0,
 ) -> Manifest:
-    """Write a synthetic cache at ``out`` and return its sealed manifest."""
+    """Write a synthetic cache at ``out`` and return its sealed manifest.
+
+    ``cap`` pauses the writer at a disk cap (as ``precompute --max-cache-bytes``); ``compute_delay`` seconds are
+    spent on each batch, standing in for a target's forward (the streaming benchmark sets the producer's speed).
+    """
     schema = synthetic_schema(hidden, encoding=encoding)
     config = {
         "method": "synthetic",
@@ -111,11 +118,19 @@ def write_synthetic_cache(
         config=config,
         resume=resume,
         comm=comm,
+        cap=cap,
     )
     loader = DataLoader(
         SyntheticSamples(num_samples, min_len, max_len, seed), batch_size=batch_size, collate_fn=collate_samples
     )
     compute = make_compute(hidden, torch.bfloat16, seed)
+    if compute_delay:
+        plain = compute
+
+        def compute(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+            time.sleep(compute_delay)
+            return plain(batch)
+
     ragged = [k for k, s in schema.items() if s.ragged]
     sync = writer.comm.max_int if writer.comm.world_size > 1 else None
     with writer.writing(overlap=overlap) as run:
@@ -138,6 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--encoding", default="raw")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--sync", action="store_true", help="write shards synchronously")
+    p.add_argument("--max-cache-bytes", type=int, default=None, help="the disk cap, as precompute's")
+    p.add_argument("--max-cache-shards", type=int, default=None, help="the disk cap in shards, as precompute's")
+    p.add_argument("--compute-delay", type=float, default=0.0, help="seconds spent on each batch")
     p.add_argument(
         "--timeout",
         type=float,
@@ -159,6 +177,10 @@ def main(argv: list[str] | None = None) -> None:
             resume=a.resume,
             overlap=not a.sync,
             comm=comm,
+            cap=DiskCap(a.out, a.max_cache_bytes, a.max_cache_shards)
+            if a.max_cache_bytes or a.max_cache_shards
+            else None,
+            compute_delay=a.compute_delay,
         )
     finally:
         shutdown(comm)

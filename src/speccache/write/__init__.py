@@ -1,6 +1,7 @@
 """Writing caches: the run lifecycle (:class:`CacheWriter`), the loops, the shard writers, the process group."""
 
 from speccache.write.cache_writer import CacheWriter, SideFile, WriteRun
+from speccache.write.cap import DiskCap
 from speccache.write.dist import (
     Comm,
     DataParallelGroups,
@@ -17,6 +18,7 @@ __all__ = [
     "CacheWriter",
     "Comm",
     "DataParallelGroups",
+    "DiskCap",
     "LocalComm",
     "NativeShardWriter",
     "OverlappedShardWriter",

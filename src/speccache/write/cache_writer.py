@@ -57,6 +57,8 @@ from speccache.format.durable import ensure_writable_dir, writes_to
 from speccache.format.lock import lock_path
 from speccache.format.manifest import COMPARED_ON_RESUME, resume_identity
 from speccache.format.names import check_no_foreign_files
+from speccache.format.reclaim import finish_reclaims, read_reclaims, shard_record
+from speccache.write.cap import DiskCap
 from speccache.write.dist import Comm, LocalComm, agree
 from speccache.write.loops import WriteShardFn, partition_cache_shards
 from speccache.write.writers import NativeShardWriter, OverlappedShardWriter
@@ -118,6 +120,8 @@ class CacheWriter:
         comm: the process group (one process by default).
         append_fields: grow an existing cache: its sample count and these ``config`` fields (the data) may differ
             from the cache's; every other field must match. Shards that still fit are kept, the rest computed.
+        cap: pause before each shard while the cache's unconsumed shards reach this cap (a trainer following the
+            cache with ``reclaim`` frees them); a run setting, not part of the cache's configuration.
 
     Raises:
         CacheExistsError, ConfigMismatchError, CacheLockedError, OutputError: from :meth:`preflight` and
@@ -136,6 +140,7 @@ class CacheWriter:
         resume: bool = False,
         comm: Comm | None = None,
         append_fields: frozenset[str] | None = None,
+        cap: DiskCap | None = None,
     ) -> None:
         self.cache_dir = cache_dir
         self.comm = comm or LocalComm()
@@ -149,7 +154,8 @@ class CacheWriter:
             config=config,
             path=manifest_path(cache_dir),
         )
-        self.shard_writer = NativeShardWriter(schema)
+        self.shard_writer = NativeShardWriter(schema, before_write=None if cap is None else cap.wait)
+        self.cap = cap
         self._lock = CacheLock(cache_dir)
         self._sealed_on_disk: Manifest | None = None
         self._written_side_files: list[str] = []
@@ -210,6 +216,7 @@ class CacheWriter:
             try:
                 found = self._check_directory()
                 removed = remove_temp_files(self.cache_dir)
+                finish_reclaims(self.cache_dir, read_reclaims(self.cache_dir))  # a reclaimer killed half-way
                 if removed:
                     log.warning(
                         "removed %d temporary files of an interrupted writer in %s", len(removed), self.cache_dir
@@ -296,7 +303,7 @@ class CacheWriter:
     def _check_directory(self) -> Manifest | None:
         """Refuse a directory this run cannot write; return the manifest found there (``None`` when empty)."""
         has_manifest = os.path.lexists(manifest_path(self.cache_dir))
-        has_shards = bool(existing_shard_indices(self.cache_dir))
+        has_shards = bool(existing_shard_indices(self.cache_dir)) or bool(read_reclaims(self.cache_dir))
         if not (has_manifest or has_shards):
             return None
         if not self.resume:
@@ -344,7 +351,20 @@ class CacheWriter:
         if self.comm.world_size > 1:
             self._check_shared_directory()
         present = existing_shard_indices(self.cache_dir)
-        return [index for index in self.local_shards if not (index in present and self._keep_existing(index))]
+        reclaims = read_reclaims(self.cache_dir)
+        todo = []
+        for index in self.local_shards:
+            if index in reclaims and reclaims[index].record.samples == self.manifest.shard_samples(index):
+                self.shard_writer.records[index] = reclaims[index].record  # read and deleted by a trainer: done
+            elif index in reclaims and self.append_fields is None:
+                raise ConfigMismatchError(
+                    f"cannot resume {self.cache_dir}: shard {index} was reclaimed by a following trainer with "
+                    f"{reclaims[index].record.samples} samples, this run's shard holds "
+                    f"{self.manifest.shard_samples(index)}. Re-run with the original settings; nothing was changed."
+                )
+            elif not (index in present and self._keep_existing(index)):
+                todo.append(index)
+        return todo
 
     def _keep_existing(self, index: int) -> bool:
         path = shard_path(self.cache_dir, index)
@@ -376,22 +396,17 @@ class CacheWriter:
 
     def _record_of_existing(self, index: int) -> ShardRecord:
         """The shard table row of shard ``index`` as found on disk, after checking it whole."""
-        path = shard_path(self.cache_dir, index)
-        shard = NativeShard(path, self.manifest.schema, index, self.manifest.shard_samples(index), verify=True)
-        try:
-            tokens = shard.num_rows if self.manifest.ragged else 0
-            return ShardRecord(
-                index, shard.num_samples, tokens, shard.file.size, file_checksum(path), shard.encoding_error()
-            )
-        finally:
-            shard.close()
+        return shard_record(
+            shard_path(self.cache_dir, index), self.manifest.schema, index, self.manifest.shard_samples(index)
+        )
 
     def _seal(self, stats: Mapping[str, Any]) -> None:
         """Gather the shard table, write the complete manifest (unless it is on disk already), release the lock."""
         try:
             # The all_gather is the barrier: every rank has written (fsynced, renamed) all its shards.
             tables = self.comm.all_gather(list(self.shard_writer.records.values()))
-            sealed = self.manifest.sealed((r for table in tables for r in table), stats)
+            reclaimed = read_reclaims(self.cache_dir) if self.comm.rank == 0 else {}
+            sealed = self.manifest.sealed((r for table in tables for r in table), stats, reclaimed)
             self.manifest = sealed
 
             def _write_sealed() -> None:

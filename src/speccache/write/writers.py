@@ -9,6 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 from speccache.errors import ShardWriteError
@@ -23,14 +24,18 @@ class NativeShardWriter:
 
     Args:
         schema: the key schema every shard follows.
+        before_write: called with each shard's index before it is written (the disk cap's pause).
     """
 
-    def __init__(self, schema: Schema) -> None:
+    def __init__(self, schema: Schema, before_write: Callable[[int], None] | None = None) -> None:
         self.schema = schema
         self.records: dict[int, ShardRecord] = {}
+        self.before_write = before_write
 
     def __call__(self, output_dir: str, shard_index: int, samples: Batch) -> str:
         path = shard_path(output_dir, shard_index)
+        if self.before_write is not None:
+            self.before_write(shard_index)
         try:
             written, n, tokens, errors = write_shard_file(path, shard_index, samples, self.schema)
         except Exception as exc:  # a full disk, permissions, samples that do not fit the schema: name the shard
