@@ -48,6 +48,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         )
     for name, size in (info["side_file_bytes"] or {}).items():
         print(f"side file  {name}: {human_bytes(size)}")
+    if info["reclaimed"]:
+        print(
+            f"reclaimed  {len(info['reclaimed'])} shards deleted after use by a trainer that followed the cache "
+            f"(reclaim=True): {_listed(info['reclaimed'])}; the counts above are of the shards still here"
+        )
     stats = info.get("stats")
     skipped = stats.get("skipped_rows") if isinstance(stats, dict) else None
     if isinstance(skipped, dict) and skipped:
@@ -64,6 +69,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.stats:
         print_sample_stats(args.cache_dir)
     return 0
+
+
+def _listed(items: list[int], limit: int = 10) -> str:
+    return ", ".join(map(str, items[:limit])) + (f", ... ({len(items)} in all)" if len(items) > limit else "")
 
 
 def inspect_view(args: argparse.Namespace) -> int:
@@ -141,11 +150,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 f"ok       {shard['name']}  samples={shard['samples']} tokens={shard['tokens']} "
                 f"bytes={shard['bytes']} xxh3={shard['xxh3_128']}"
             )
+        for shard in report.reclaimed:
+            where = f"moved to {shard['moved_to']}" if shard["moved_to"] else "deleted"
+            print(
+                f"reclaimed {shard['name']}  samples={shard['samples']} tokens={shard['tokens']} "
+                f"bytes={shard['bytes']} ({where} after use by a following trainer)"
+            )
         for problem in report.problems:
             print(f"PROBLEM  {problem.file}: {problem.reason}")
+        reclaimed = f", {len(report.reclaimed)} reclaimed after use" if report.reclaimed else ""
         print(
             f"{args.cache_dir}: {'sound' if report.ok else f'{len(report.problems)} problem(s)'} "
-            f"({len(report.shards)} shards checked)"
+            f"({len(report.shards)} shards checked{reclaimed})"
         )
     return 0 if report.ok else 1
 

@@ -70,6 +70,7 @@ from speccache.methods.base import (
 from speccache.methods.decoder import Capture, decoder_layers, forward_capturing
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
 from speccache.read import CacheDataset, PadCollator, Sample
+from speccache.read.follow import Follow, check_follow_loader, follow_settings
 from speccache.read.source import open_source, reader_sampler
 from speccache.read.view import ViewDataset
 from speccache.write import Comm, partition_cache_shards
@@ -640,6 +641,7 @@ def build_eagle3_dataloader(
     keys: Sequence[str] | None = None,
     max_open_shards: int = 64,
     allow_incomplete: bool = False,
+    follow: Follow | bool = False,
     **loader_kwargs: Any,
 ) -> DataLoader:
     """A DataLoader of padded EAGLE-3 batches (with ``attention_mask`` and ``lengths``).
@@ -657,11 +659,21 @@ def build_eagle3_dataloader(
         keys: stored keys to read (see :class:`Eagle3CacheDataset`).
         max_open_shards: LRU bound on open shards per worker.
         allow_incomplete: read the whole shards of an unsealed cache.
-        **loader_kwargs: passed to ``DataLoader``.
+        follow: read the cache while it is written (``True`` or :class:`speccache.read.follow.Follow` settings,
+            whose ``shuffle``, ``seed`` and share this call's arguments set): a
+            :class:`speccache.read.follow.FollowLoader`, one pass of each shard as it is sealed (each ``replay``
+            times), ending once the cache is sealed (docs/training.md).
+        **loader_kwargs: passed to ``DataLoader`` (with ``follow``: also ``acknowledge``, ``"auto"`` or ``"manual"``).
 
     Raises:
         RuntimeError: ``distributed`` without an initialised process group.
+        ValueError: ``follow`` with a ``sampler``.
     """
+    if follow is not False:
+        settings = follow_settings(follow, shuffle=shuffle, seed=seed, distributed=distributed)
+        stream = Eagle3CacheDataset(cache_dir, keys, follow=settings, max_open_shards=max_open_shards)
+        check_follow_loader(stream, shuffle, sampler)
+        return stream.loader(batch_size, num_workers=num_workers, **loader_kwargs)
     dataset: Eagle3CacheDataset | ViewDataset = Eagle3CacheDataset(
         cache_dir, keys, verify=verify, max_open_shards=max_open_shards, allow_incomplete=allow_incomplete
     )

@@ -65,6 +65,7 @@ from speccache.methods.decoder import Capture, decoder_layers, forward_capturing
 from speccache.methods.eagle3 import Supervision, default_aux_layers
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
 from speccache.read import CacheDataset, PadCollator, Sample
+from speccache.read.follow import FollowDataset, check_follow_loader
 from speccache.read.source import open_source, reader_sampler
 from speccache.read.view import ViewDataset
 
@@ -522,7 +523,7 @@ def eagle3_dataset(cache_dir: str, aux_layers: Sequence[int] | None = None, **kw
 
 
 def build_layer_dataloader(
-    dataset: LayerFeatureDataset | ViewDataset,
+    dataset: LayerFeatureDataset | ViewDataset | FollowDataset,
     batch_size: int,
     shuffle: bool,
     *,
@@ -537,11 +538,17 @@ def build_layer_dataloader(
     Args:
         dataset: e.g. ``dspark_dataset(cache_dir)`` (of a cache or a view: a view's ``--weights`` are honoured).
         batch_size, shuffle, num_workers, distributed, seed, sampler, **loader_kwargs: as
-            :func:`speccache.methods.eagle3.build_eagle3_dataloader`.
+            :func:`speccache.methods.eagle3.build_eagle3_dataloader`. A following dataset
+            (``dspark_dataset(cache, follow=Follow(...))``) brings its own order and share: its loader is a
+            :class:`speccache.read.follow.FollowLoader`, and ``shuffle`` must match its settings.
 
     Raises:
         RuntimeError: ``distributed`` without an initialised process group.
+        ValueError: a following dataset with a ``sampler``, or a ``shuffle`` other than its own.
     """
+    if isinstance(dataset, FollowDataset):
+        check_follow_loader(dataset, shuffle, sampler)
+        return dataset.loader(batch_size, num_workers=num_workers, **loader_kwargs)
     if sampler is None:
         sampler = reader_sampler(dataset, shuffle=shuffle, distributed=distributed, seed=seed)
     loader_kwargs.setdefault("pin_memory", torch.cuda.is_available())

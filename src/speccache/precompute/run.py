@@ -51,10 +51,11 @@ from speccache.methods.base import DTYPES, Method, MethodPlan, PrePass, dtype_na
 from speccache.methods.finite import SKIP_REASON, ClearedCounter, check_nonfinite_mode
 from speccache.methods.registry import METHODS, method_for
 from speccache.precompute.append import DATA_FIELDS, AppendedDataset, merge_stats, plan_append
-from speccache.units import human_bytes
+from speccache.units import human_bytes, parse_bytes
 from speccache.write import (
     CacheWriter,
     Comm,
+    DiskCap,
     LocalComm,
     SideFile,
     WriteRun,
@@ -201,6 +202,8 @@ class PrecomputeConfig:
     enable_expert_parallel: bool = False
     gpu_memory_utilization: float | None = None
     threads: int | None = None
+    max_cache_bytes: int | None = None
+    max_cache_shards: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PrecomputeConfig:
@@ -252,6 +255,10 @@ class PrecomputeConfig:
             enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
             gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
             threads=getattr(args, "threads", None),
+            max_cache_bytes=None
+            if getattr(args, "max_cache_bytes", None) is None
+            else parse_bytes(args.max_cache_bytes, "--max-cache-bytes"),
+            max_cache_shards=getattr(args, "max_cache_shards", None),
         )
         cfg.check()
         return cfg
@@ -283,6 +290,8 @@ class PrecomputeConfig:
             )
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
+        if self.max_cache_shards is not None and self.max_cache_shards < 1:
+            raise ValueError(f"--max-cache-shards must be >= 1, got {self.max_cache_shards}")
         if not os.path.exists(self.data) and not is_hub_id(self.data):
             raise FileNotFoundError(f"--data {self.data}: no such file")
         if self.out and not is_hub_id(self.data):
@@ -582,6 +591,9 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
             resume=cfg.resume,
             comm=groups.writers,
             append_fields=None if extension is None else DATA_FIELDS,
+            cap=DiskCap(cfg.out, cfg.max_cache_bytes, cfg.max_cache_shards)
+            if cfg.max_cache_bytes or cfg.max_cache_shards
+            else None,
         )
     groups.from_writer(None if writer is None else writer.preflight)
     method, method_plan = plan.method, plan.method_plan
@@ -698,6 +710,11 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
     manifest = writer.manifest
     if comm.rank == 0 and progress:
         print(summary_line(manifest, time.monotonic() - started))
+        if writer.cap is not None:
+            print(
+                f"speccache: paused {writer.cap.waited:.1f}s at the disk cap ({writer.cap.pauses} shards waited); "
+                f"at most {human_bytes(writer.cap.high_water)} of unconsumed shards seen on disk"
+            )
     return manifest
 
 
@@ -855,5 +872,18 @@ def register_commands(sub: Any) -> None:
         "--tensor-parallel-size GPUs of each engine)",
     )
     add_gpu_memory_utilization_argument(p)
+    p.add_argument(
+        "--max-cache-bytes",
+        default=None,
+        help="pause before each shard while the shards no trainer has reclaimed reach this size (e.g. 500G); a "
+        "trainer reading with follow and reclaim frees them (docs/training.md); the cap is exceeded by at most "
+        "one shard per rank",
+    )
+    p.add_argument(
+        "--max-cache-shards",
+        type=int,
+        default=None,
+        help="as --max-cache-bytes, in shards: at most this many unreclaimed shards on disk (per run, all ranks)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(func=cmd_precompute)

@@ -46,7 +46,7 @@ from speccache.read.sampler import distributed_position
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Follow", "FollowDataset", "FollowLoader", "FollowSampler"]
+__all__ = ["Follow", "FollowDataset", "FollowLoader", "FollowSampler", "check_follow_loader", "follow_settings"]
 
 _STATE_CHECKED = ("seed", "shuffle", "replay", "ordered", "rank", "world_size")
 
@@ -466,7 +466,31 @@ class FollowDataset(IterableDataset):
         return FollowLoader(self.reader, self.sampler, batch_size, acknowledge, **kwargs)
 
 
-def follow_settings(follow: Follow | bool, **overrides: Any) -> Follow:
-    """``follow`` as :class:`Follow` settings with a builder's own arguments (``shuffle``, ``seed``...) applied."""
+def follow_settings(follow: Follow | bool, *, shuffle: bool, seed: int, distributed: bool) -> Follow:
+    """``follow`` (``True`` or settings) with a loader builder's ``shuffle``, ``seed`` and ``distributed`` applied:
+    ``distributed`` gives each rank of the process group its share, else this process reads every shard.
+
+    Raises:
+        RuntimeError: ``distributed`` without an initialised process group.
+    """
     base = follow if isinstance(follow, Follow) else Follow()
-    return replace(base, **overrides)
+    if distributed:
+        rank, world_size = distributed_position()
+    else:
+        rank, world_size = (base.rank, base.world_size) if base.world_size is not None else (0, 1)
+    return replace(base, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size)
+
+
+def check_follow_loader(dataset: FollowDataset, shuffle: bool, sampler: Sampler | None) -> None:
+    """Refuse a loader builder's ``sampler`` or ``shuffle`` that contradicts a following dataset's own settings.
+
+    Raises:
+        ValueError: names the argument and the fix.
+    """
+    if sampler is not None:
+        raise ValueError("a following dataset orders its samples itself (FollowSampler): pass no sampler=")
+    if shuffle != dataset.follow.shuffle:
+        raise ValueError(
+            f"shuffle={shuffle} contradicts the following dataset's Follow(shuffle={dataset.follow.shuffle}); "
+            "set shuffle in its Follow settings and pass the same value"
+        )

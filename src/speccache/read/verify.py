@@ -17,6 +17,7 @@ from speccache.format import (
     file_checksum,
     shard_path,
 )
+from speccache.format.reclaim import read_reclaims
 from speccache.format.shard import SHARD_META_ROWS, SHARD_META_SAMPLES
 
 __all__ = ["Problem", "VerifyReport", "verify_cache", "inspect_cache"]
@@ -37,6 +38,8 @@ class VerifyReport:
     cache_dir: str
     problems: list[Problem] = field(default_factory=list)
     shards: list[dict[str, Any]] = field(default_factory=list)
+    reclaimed: list[dict[str, Any]] = field(default_factory=list)
+    """Shards a following trainer deleted (or moved) after use, as their reclaim records describe them."""
 
     @property
     def ok(self) -> bool:
@@ -50,6 +53,7 @@ class VerifyReport:
             "ok": self.ok,
             "problems": [{"file": p.file, "reason": p.reason} for p in self.problems],
             "shards": self.shards,
+            "reclaimed": self.reclaimed,
         }
 
 
@@ -80,11 +84,27 @@ def verify_cache(cache_dir: str, progress: Iterable[int] | None = None) -> Verif
             Problem(os.path.basename(shard_path(cache_dir, extra)), "unexpected shard: not part of this cache")
         )
     tokens = 0
+    try:
+        reclaims = read_reclaims(cache_dir)
+    except CacheFormatError as exc:
+        report.problems.append(Problem("reclaim records", str(exc)))
+        reclaims = {}
     indices = range(expected_count)
     for index in progress(indices) if progress is not None else indices:
         name = os.path.basename(shard_path(cache_dir, index))
+        if index not in present and index in reclaims:
+            record = reclaims[index].record
+            tokens += record.tokens
+            report.reclaimed.append(
+                {"name": name, "samples": record.samples, "tokens": record.tokens, "bytes": record.bytes,
+                 "xxh3_128": record.checksum, "moved_to": reclaims[index].moved_to}
+            )  # fmt: skip
+            continue
         if index not in present:
-            report.problems.append(Problem(name, "missing shard"))
+            reason = "missing shard"
+            if index in manifest.reclaimed:
+                reason += " (the manifest lists it as reclaimed, but its reclaim record is gone)"
+            report.problems.append(Problem(name, reason))
             continue
         try:
             shard = NativeShard(
@@ -117,7 +137,8 @@ def verify_cache(cache_dir: str, progress: Iterable[int] | None = None) -> Verif
                         Problem(name, f"{key} is {value!r} but the manifest's shard table says {recorded[key]!r}")
                     )
         report.shards.append({"name": name, **found})
-    if manifest.complete and manifest.num_tokens not in (None, tokens) and len(report.shards) == expected_count:
+    checked = len(report.shards) + len(report.reclaimed)
+    if manifest.complete and manifest.num_tokens not in (None, tokens) and checked == expected_count:
         report.problems.append(
             Problem(MANIFEST_NAME, f"num_tokens says {manifest.num_tokens} but the shards hold {tokens}")
         )
@@ -193,4 +214,5 @@ def inspect_cache(cache_dir: str) -> dict[str, Any]:
         "bytes_per_token": per_token(total),
         "config": manifest.config,
         "stats": manifest.stats or None,
+        "reclaimed": sorted(set(read_reclaims(cache_dir)) - set(indices)),
     }

@@ -16,7 +16,11 @@ from speccache.methods.base import DTYPES, dtype_name
 def cmd_train(args: argparse.Namespace) -> int:
     """Run ``speccache train``."""
     torch.set_num_threads(args.threads)
+    from speccache.read.follow import Follow
     from speccache.train.trainer import train
+
+    if not args.follow and (args.reclaim or args.reclaim_to or args.replay != 1 or args.ordered):
+        raise ValueError("--reclaim, --reclaim-to, --replay and --ordered read a cache being written: add --follow")
 
     result = train(
         args.cache_dir,
@@ -33,6 +37,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         intermediate_size=args.intermediate_size,
         compute_dtype=args.compute_dtype,
         device=args.device,
+        follow=Follow(
+            replay=args.replay,
+            reclaim=args.reclaim,
+            reclaim_to=args.reclaim_to,
+            ordered=args.ordered,
+            timeout=args.follow_timeout,
+        )
+        if args.follow
+        else None,
         log=lambda line: print(line, flush=True),
     )
     first = sum(result.losses[:10]) / max(1, len(result.losses[:10]))
@@ -133,6 +146,20 @@ def register_commands(sub: Any) -> None:
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest on a busy CPU)")
+    p.add_argument(
+        "--follow",
+        action="store_true",
+        help="train while the cache is written: each shard as it is sealed, until the producer seals the cache",
+    )
+    p.add_argument("--replay", type=int, default=1, help="--follow: read each shard K times within a window of K")
+    p.add_argument(
+        "--reclaim", action="store_true", help="--follow: delete each shard once trained on (frees a --max-cache-* cap)"
+    )
+    p.add_argument("--reclaim-to", default=None, help="--follow --reclaim: move finished shards here instead")
+    p.add_argument("--ordered", action="store_true", help="--follow: shards strictly in index order (reproducible)")
+    p.add_argument(
+        "--follow-timeout", type=float, default=600.0, help="--follow: seconds to wait for a shard (default 600)"
+    )
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("evaluate", help="measure a draft's acceptance: teacher-forced on a cache, and real decoding")
     p.add_argument("draft", help="a draft directory written by speccache train")

@@ -28,6 +28,7 @@ from torch.utils.data import Sampler
 from speccache.devices import target_device
 from speccache.methods.base import DTYPES, dtype_name
 from speccache.methods.eagle3 import (
+    CACHE_NAME,
     SIDE_FILE,
     Eagle3CacheDataset,
     TargetHead,
@@ -35,7 +36,8 @@ from speccache.methods.eagle3 import (
     draft_view,
     read_side_file,
 )
-from speccache.read.source import reader_sampler
+from speccache.read.follow import Follow
+from speccache.read.source import open_source, reader_sampler
 from speccache.train.draft import DraftConfig, Eagle3Draft, check_new_draft_dir, save_draft
 
 __all__ = [
@@ -97,7 +99,7 @@ def draft_for_cache(cache_dir: str, intermediate_size: int | None = None) -> tup
     LM-head rows, its vocabulary maps are the side file's ``d2t``/``t2d``; ``intermediate_size`` defaults to
     ``2 * hidden``.
     """
-    config = Eagle3CacheDataset(cache_dir, keys=["input_ids"]).manifest.config
+    config = open_source(cache_dir, CACHE_NAME).config  # the manifest's, sealed or still being written
     hidden = int(config["hidden_size"])
     heads, head_dim = _shape(hidden)
     shape = DraftConfig(
@@ -223,6 +225,7 @@ def train(
     intermediate_size: int | None = None,
     compute_dtype: str = "fp32",
     device: str | None = None,
+    follow: Follow | None = None,
     log: Callable[[str], None] | None = None,
 ) -> TrainResult:
     """Train a fresh draft on ``cache_dir`` and save it to ``out`` (see :mod:`speccache.train.draft`).
@@ -232,13 +235,18 @@ def train(
     (``generated``: the loss mask's; ``all``: every row), ``intermediate_size`` the draft's MLP width (default
     twice the hidden size), ``compute_dtype`` the forward's (``fp32``, or ``bf16`` under autocast: 1.6x faster on
     a CPU with bf16 instructions, docs/training.md), ``device`` where to train (see
-    :func:`speccache.devices.target_device`).
+    :func:`speccache.devices.target_device`). ``follow`` trains while the cache is written: one pass over each
+    shard as it is sealed (``follow.replay`` passes within its window), in batches of consecutive samples of the
+    shuffled passes, ending once the producer has sealed the cache; the schedule spans the samples the cache
+    declares (docs/training.md).
 
     Raises:
         FileExistsError: ``out`` already holds a draft (checked before training).
         ValueError: a non-positive ``epochs``, ``batch_size``, ``ttt_steps``, ``lr``, ``max_steps``,
             ``step_decay`` or ``intermediate_size``, a ``warmup`` outside [0, 1), an unknown ``supervise`` or
-            ``compute_dtype``, or an unusable ``device``.
+            ``compute_dtype``, or an unusable ``device``; ``epochs`` other than 1 with ``follow`` (its
+            ``replay`` gives the repeats).
+        FollowTimeoutError: with ``follow``, the producer wrote no shard within ``follow.timeout``.
     """
     counts = {"--epochs": epochs, "--batch-size": batch_size, "--ttt-steps": ttt_steps, "--max-steps": max_steps}
     for name, value in counts.items():
@@ -255,16 +263,21 @@ def train(
     if not 0 <= warmup < 1:
         raise ValueError(f"--warmup {warmup} must be a share of the steps in [0, 1)")
     compute_dtype = dtype_name(compute_dtype, "--compute-dtype", COMPUTE_DTYPES)
+    if follow is not None and epochs != 1:
+        raise ValueError(f"--epochs {epochs} with --follow: a stream is read once; --replay K reads each shard K times")
     where = target_device(device)
     check_new_draft_dir(out)
     torch.manual_seed(seed)
+    if follow is not None:  # built first: it waits for the producer's manifest, which the draft's shape needs
+        loader = build_eagle3_dataloader(cache_dir, batch_size, shuffle=True, seed=seed, follow=follow)
+    else:
+        dataset = Eagle3CacheDataset(cache_dir, keys=["input_ids"])
+        base = reader_sampler(dataset, shuffle=True, distributed=False, seed=seed)
+        sampler = LengthGroupedSampler(base, dataset.sample_lengths(), batch_size, seed)
+        loader = build_eagle3_dataloader(cache_dir, batch_size=batch_size, shuffle=False, sampler=sampler)
     draft, head = draft_for_cache(cache_dir, intermediate_size)
     draft, head = draft.to(where), head.to(where)
     optimizer = make_optimizer(draft, lr)
-    dataset = Eagle3CacheDataset(cache_dir, keys=["input_ids"])
-    base = reader_sampler(dataset, shuffle=True, distributed=False, seed=seed)
-    sampler = LengthGroupedSampler(base, dataset.sample_lengths(), batch_size, seed)
-    loader = build_eagle3_dataloader(cache_dir, batch_size=batch_size, shuffle=False, sampler=sampler)
     total = epochs * len(loader) if max_steps is None else min(max_steps, epochs * len(loader))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, warmup))
     losses: list[float] = []
@@ -276,7 +289,8 @@ def train(
             log(f"step {done}/{total}  loss {loss:.4f}  {time.monotonic() - started:.0f}s")
 
     for epoch in range(epochs):
-        loader.sampler.set_epoch(epoch)
+        if follow is None:
+            loader.sampler.set_epoch(epoch)
         left = total - len(losses)
         if left <= 0:
             break
@@ -284,6 +298,8 @@ def train(
         losses += train_steps(
             draft, batches, head, optimizer, ttt_steps, report, scheduler, step_decay, supervise, DTYPES[compute_dtype]
         )
+    if follow is not None:
+        loader.acknowledge()  # the last batch is trained on: reclaim its shards (the loader was not asked again)
     seconds = time.monotonic() - started
     trained = {
         "epochs": epochs,
@@ -299,7 +315,7 @@ def train(
     }
     extra = {
         "cache": os.path.abspath(cache_dir),
-        "target": Eagle3CacheDataset(cache_dir, keys=["input_ids"]).manifest.config.get("model"),
+        "target": open_source(cache_dir, CACHE_NAME).config.get("model"),
         "training": {**trained, "steps": len(losses), "final_loss": losses[-1]},
     }
     save_draft(draft.cpu(), out, extra)
