@@ -41,6 +41,7 @@ from speccache.errors import CacheCorruptError, CacheFormatError, FollowTimeoutE
 from speccache.format import Manifest, existing_shard_indices, manifest_path, num_shards, shard_path
 from speccache.format.durable import writes_to
 from speccache.format.reclaim import read_reclaims, reclaim_shard
+from speccache.read.collate import PadCollator
 from speccache.read.dataset import CacheDataset, Sample, _identity
 from speccache.read.sampler import distributed_position
 
@@ -255,7 +256,8 @@ class FollowSampler(Sampler[int]):
             f"{self.cache_dir}: no new shard for this reader (rank {self.rank} of {self.world_size}) after "
             f"{self.follow.timeout:g} s; it waits for shard {left[0]} ({len(left)} of its share left) and the "
             f"cache is {state}. Resume the producer (speccache precompute ... --resume), check that its disk cap "
-            "leaves room for every trainer rank's window"
+            "holds what every trainer rank reads before it acknowledges (its replay window, the loader's read-ahead "
+            "and, with acknowledge='manual', the samples between two checkpoints)"
             + (
                 " and, with ordered=True and several producer ranks, the shards this rank waits behind"
                 if self.follow.ordered
@@ -280,7 +282,8 @@ class FollowSampler(Sampler[int]):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at a :meth:`state_dict`'s position, with its shards taken in its order.
+        """Resume at a :meth:`state_dict`'s position, with its shards taken in its order, and acknowledge it (a
+        loaded state was saved: with ``reclaim`` the shards it has finished are reclaimed).
 
         Raises:
             ValueError: the state was taken with other settings (names the field).
@@ -300,6 +303,10 @@ class FollowSampler(Sampler[int]):
         self._skipped = set(state.get("skipped", ()))
         self._ends, self._ended = [], False
         self.start = self.yielded = int(state["consumed"])
+        # A loaded state is one the trainer saved: what it has consumed is done with, and a producer paused at its
+        # disk cap may be waiting for exactly those shards (a trainer killed between its checkpoint and its
+        # acknowledgment left them).
+        self.acknowledge(self.start)
 
     def acknowledge(self, consumed: int) -> list[int]:
         """Reclaim (with ``follow.reclaim``) every shard whose last use lies within the first ``consumed`` samples.
@@ -458,10 +465,12 @@ class FollowDataset(IterableDataset):
         Args:
             batch_size: samples per batch.
             acknowledge: ``"auto"`` (reclaim as batches are consumed) or ``"manual"`` (on ``loader.acknowledge``).
-            **kwargs: passed to ``DataLoader`` (``num_workers``, ``pin_memory``...).
+            **kwargs: passed to ``DataLoader``; ``collate_fn`` defaults to the reader's ``collator()``, or a
+                :class:`speccache.read.PadCollator` of its ragged keys.
         """
-        if "collate_fn" not in kwargs and hasattr(self.reader, "collator"):
-            kwargs["collate_fn"] = self.reader.collator()
+        if "collate_fn" not in kwargs:  # a method's reader brings its own; plain samples pad their ragged keys
+            collator = getattr(self.reader, "collator", None)
+            kwargs["collate_fn"] = collator() if collator is not None else PadCollator(set(self.reader.ragged_keys))
         kwargs.setdefault("pin_memory", torch.cuda.is_available())
         return FollowLoader(self.reader, self.sampler, batch_size, acknowledge, **kwargs)
 
