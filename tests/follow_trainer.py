@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 from speccache.read import CacheDataset
 from speccache.read.follow import Follow
@@ -37,6 +38,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--replay", type=int, default=1)
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--step-seconds", type=float, default=0.0, help="time each training step takes")
     a = p.parse_args(argv)
     follow = Follow(shuffle=True, seed=a.seed, replay=a.replay, reclaim=True, poll=0.01, timeout=a.timeout)
     stream = CacheDataset(a.out, keys=["sample_id"], follow=follow)
@@ -49,6 +51,7 @@ def main(argv: list[str]) -> int:
         seen = saved["seen"]
     for step, batch in enumerate(loader, 1):
         seen += batch["sample_id"].tolist()
+        time.sleep(a.step_seconds)
         if step % a.checkpoint_every == 0:
             save(a.checkpoint, {"loader": loader.state_dict(), "seen": seen})
             loader.acknowledge()

@@ -324,7 +324,19 @@ def test_kill_9_of_producer_and_trainer_at_random_moments_loses_and_repeats_noth
     out, ckpt = str(tmp_path / "c"), str(tmp_path / "ckpt.json")
     producer_argv = [out, "--samples", str(samples), "--shard-size", str(shard_size), "--batch-size", "4"]
     producer_argv += ["--max-cache-shards", str(cap), "--compute-delay", "0.002"]
-    trainer_argv = [out, ckpt, "--batch-size", "3", "--checkpoint-every", "2", "--timeout", "60"]
+    # 80 steps of 40 ms: the trainer's work outlasts ten kills of at most 0.4 s
+    trainer_argv = [
+        out,
+        ckpt,
+        "--batch-size",
+        "3",
+        "--checkpoint-every",
+        "2",
+        "--timeout",
+        "60",
+        "--step-seconds",
+        "0.04",
+    ]
     servers = [crashlib.ForkServer(), crashlib.ForkServer()]
     kills = {"producer": 0, "trainer": 0}
     failures: list[str] = []
@@ -353,7 +365,7 @@ def test_kill_9_of_producer_and_trainer_at_random_moments_loses_and_repeats_noth
 
     threads = [
         threading.Thread(target=side, args=("producer", servers[0], crashlib.PRODUCER, producer_argv, (0.05, 0.4))),
-        threading.Thread(target=side, args=("trainer", servers[1], "follow_trainer", trainer_argv, (0.05, 0.5))),
+        threading.Thread(target=side, args=("trainer", servers[1], "follow_trainer", trainer_argv, (0.05, 0.4))),
         threading.Thread(target=watch, daemon=True),
     ]
     try:
