@@ -384,8 +384,36 @@ def _engine_flags(**flags: Any) -> None:
     PrecomputeConfig(model=str(ROOT), data=demo_data_path("sharegpt"), out="", **flags).check()
 
 
+def _follow_an_empty_directory(env: Env) -> None:
+    from speccache.read.follow import Follow
+
+    CacheDataset(str(env.tmp / "nothing-yet"), follow=Follow(timeout=0.05, poll=0.01))
+
+
+def _reclaimed(env: Env) -> str:
+    from speccache.format.reclaim import reclaim_shard
+
+    path = env.cache()
+    manifest = Manifest.read(path, "synthetic")
+    reclaim_shard(path, 1, manifest.schema, manifest.shard_samples(1))
+    return path
+
+
+def _damaged_reclaim_record(env: Env) -> None:
+    from speccache.format.names import reclaim_path
+    from speccache.format.reclaim import read_reclaims
+
+    path = _reclaimed(env)
+    Path(reclaim_path(path, 1)).write_text("{")
+    read_reclaims(path)
+
+
 T = Callable[[Env], Any]
 TRIGGERS: dict[str, T] = {
+    # following a cache while it is written
+    "producer has started on this directory": _follow_an_empty_directory,
+    "were reclaimed (deleted or moved": lambda e: CacheDataset(_reclaimed(e)),
+    "a damaged reclaim record": _damaged_reclaim_record,
     # the reference draft
     "already holds a draft": _train_into_a_draft,
     "must be at least 1": _train(ttt_steps=0),

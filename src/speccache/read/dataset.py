@@ -544,8 +544,15 @@ class CacheDataset(Dataset):
                 )
             self.num_samples = _complete_prefix(cache_dir, self.num_samples, self.shard_size)
         else:
-            refuse_reclaimed(cache_dir, self.manifest)
-            validate_contiguous_shards(cache_dir, self.cache_name, self.num_samples, self.shard_size)
+            if self.manifest.reclaimed:
+                refuse_reclaimed(cache_dir, self.manifest)
+            try:
+                validate_contiguous_shards(cache_dir, self.cache_name, self.num_samples, self.shard_size)
+            except CacheFormatError:
+                # Reclaimed shards are missing shards: say so when records explain them. Read only then, so a
+                # whole cache's start-up lists its directory once.
+                refuse_reclaimed(cache_dir, self.manifest)
+                raise
         self._open: OrderedDict[int, _OpenShard] = OrderedDict()
         self._verified: set[int] = set()
         self._ahead: _ReadAhead | None = None
