@@ -10,9 +10,10 @@ index, counts and per-tensor checksums (:func:`shard_metadata`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -334,9 +335,26 @@ class NativeShard:
             part = self.parts[name][""]
             return part[self.row_offsets[start] : self.row_offsets[end]] if spec.ragged else part[start:end]
         offsets = self.offsets if spec.ragged else self.fixed_offsets
-        try:
+        with self._decoding(name):
             return encoding.decode(self.parts[name], offsets, start, end, spec.dtype)
-        except ValueError as exc:  # an encoding's parts disagree with each other: damaged data
+
+    def sample_rows(self, name: str, local: int, first: int, last: int) -> torch.Tensor:
+        """Rows ``[first, last)`` (token positions, within its length) of sample ``local`` of ragged key ``name``,
+        touching only the bytes the encoding needs for them; may be a view of the mapping."""
+        spec = self.schema[name]
+        encoding = get_encoding(spec.encoding)
+        if encoding.zero_copy:
+            base = self.row_offsets[local]
+            return self.parts[name][""][base + first : base + last]
+        with self._decoding(name):
+            return encoding.decode_rows(self.parts[name], self.offsets, local, first, last, spec.dtype)
+
+    @contextlib.contextmanager
+    def _decoding(self, name: str) -> Iterator[None]:
+        """Report an encoding's parts that disagree with each other (damaged data) as this shard's corruption."""
+        try:
+            yield
+        except ValueError as exc:
             raise CacheCorruptError(
                 f"{self.path}: key {name!r} cannot be decoded ({exc}). "
                 "Delete the shard and re-run the producer with --resume."

@@ -738,6 +738,52 @@ class CacheDataset(Dataset):
                 wanted.sort()
                 self._read_ahead().submit((opened, offset, nbytes) for offset, nbytes in wanted)
 
+    def sample_length(self, index: int) -> int:
+        """Rows of sample ``index``'s ragged keys (1 when no key is ragged); reads only its shard's offsets."""
+        shard, local = self._split(index)
+        offsets = self._open_shard(shard).row_offsets
+        return offsets[local + 1] - offsets[local]
+
+    def read(
+        self, index: int, rows: slice | None = None, keys: Sequence[str] | str | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Sample ``index`` with its ragged keys cut to token positions ``rows``, reading only those rows' bytes.
+
+        The range read of long samples (a sequence-parallel rank's part: :mod:`speccache.read.ranges`).
+        ``read(i)`` is ``ds[i]`` restricted to ``keys``; ``read(i, slice(a, b))`` equals it with each ragged key
+        sliced ``[a:b]``, fixed keys whole. Raw and fp8 keys touch only the rows' bytes; a zbf16 key also
+        decompresses the sample's high-byte frame, which is stored whole.
+
+        Args:
+            index: the sample.
+            rows: a slice of token positions (step 1; Python slice rules), ``None`` for all.
+            keys: the stored keys to read (default: the reader's ``keys``); a single name is one key.
+
+        Returns:
+            The keys' tensors, each the caller's own.
+
+        Raises:
+            KeyError: a key this reader was not opened with (the message lists those it was).
+            TypeError, ValueError: ``rows`` is not a slice of step 1.
+            IndexError: ``index`` is out of range.
+        """
+        names = self.keys if keys is None else (keys,) if isinstance(keys, str) else tuple(keys)
+        unknown = [k for k in names if k not in self.keys]
+        if unknown:
+            raise KeyError(f"keys {unknown} are not among this reader's keys {list(self.keys)}; open it with them")
+        shard, local = self._split(index)
+        opened = self._open_shard(shard)
+        first, last = _row_range(rows, opened.row_offsets[local + 1] - opened.row_offsets[local])
+        opened.check_size()
+        out: dict[str, torch.Tensor] = {}
+        for key in names:
+            if self.schema[key].ragged:
+                value = opened.shard.sample_rows(key, local, first, last)
+            else:
+                value = opened.shard.rows(key, local, local + 1)[0]
+            out[key] = value.clone() if opened.bases[key] is not None else value  # a view of the mapping: copy
+        return out
+
     def sample_lengths(self) -> list[int]:
         """Rows of each sample's ragged keys (all 1 when no key is ragged); reads only shard offsets."""
         lengths: list[int] = []
@@ -745,6 +791,25 @@ class CacheDataset(Dataset):
             o = self._shard(index).row_offsets
             lengths.extend(o[i + 1] - o[i] for i in range(len(o) - 1))
         return lengths
+
+
+def _row_range(rows: slice | None, length: int) -> tuple[int, int]:
+    """``(first, last)`` rows of a sample of ``length`` rows that ``rows`` selects (``None``: all of them).
+
+    Python slice rules apply (negative bounds count from the end, bounds past it are cut to it).
+
+    Raises:
+        TypeError: ``rows`` is not a slice.
+        ValueError: a step other than 1 (rows are read as one contiguous run).
+    """
+    if rows is None:
+        return 0, length
+    if not isinstance(rows, slice):
+        raise TypeError(f"rows must be a slice of token positions, e.g. slice(0, 4096), got {rows!r}")
+    first, last, step = rows.indices(length)
+    if step != 1:
+        raise ValueError(f"rows={rows!r}: a token range is read as one contiguous run; give a slice with step 1")
+    return first, max(first, last)
 
 
 def _appended_to(opened: Manifest, found: Manifest) -> bool:

@@ -255,6 +255,18 @@ class ViewDataset(Dataset):
                 out[position] = sample
         return out
 
+    def sample_length(self, index: int) -> int:
+        """Rows of view sample ``index`` (:meth:`speccache.read.CacheDataset.sample_length`)."""
+        source, local = self.locate(index)
+        return self.sources[source].sample_length(local)
+
+    def read(
+        self, index: int, rows: slice | None = None, keys: Sequence[str] | str | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Rows ``rows`` of view sample ``index`` (:meth:`speccache.read.CacheDataset.read`)."""
+        source, local = self.locate(index)
+        return self.sources[source].read(local, rows, keys)
+
     def prefetch(self, indices: Iterable[int]) -> None:
         """Announce these samples' long reads to the kernel (:meth:`speccache.read.CacheDataset.prefetch`)."""
         for source, members in self._by_source(list(indices)).items():

@@ -99,6 +99,13 @@ class Encoding(Protocol):
         into them (callers copy before handing data out).
         """
 
+    def decode_rows(
+        self, parts: Mapping[str, torch.Tensor], offsets: torch.Tensor, sample: int, first: int, last: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:  # fmt: skip
+        """Return rows ``[first, last)`` of sample ``sample`` (positions within it) as ``dtype``, touching only the
+        parts' bytes those rows need (as little of them as the encoding allows); may be a view, as :meth:`decode`."""
+
 
 class RawEncoding:
     """Rows stored as they are: one part, sliced without a copy."""
@@ -120,6 +127,13 @@ class RawEncoding:
         self, parts: Mapping[str, torch.Tensor], offsets: torch.Tensor, start: int, end: int, dtype: torch.dtype
     ) -> torch.Tensor:
         return parts[""][int(offsets[start]) : int(offsets[end])]
+
+    def decode_rows(
+        self, parts: Mapping[str, torch.Tensor], offsets: torch.Tensor, sample: int, first: int, last: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:  # fmt: skip
+        base = int(offsets[sample])
+        return parts[""][base + first : base + last]
 
 
 ENCODINGS: dict[str, Encoding] = {}

@@ -80,24 +80,35 @@ class Fp8Encoding:
     def decode(
         self, parts: Mapping[str, torch.Tensor], offsets: torch.Tensor, start: int, end: int, dtype: torch.dtype
     ) -> torch.Tensor:
-        r0, r1 = int(offsets[start]), int(offsets[end])
-        values = parts[""][r0:r1]
-        num_rows, width = values.shape[0], math.prod(values.shape[1:])
-        codes = values.view(torch.uint8).reshape(num_rows, width).numpy()
-        scale = parts["scale"][r0:r1].numpy()
-        out = torch.empty((num_rows, width), dtype=dtype)
-        # torch's fp8 -> fp32 cast runs at ~150 M values/s per core; a 256-entry table
-        # lookup plus an fp32 multiply gives the same bits ~5x faster. Working in
-        # blocks keeps the fp32 intermediate in cache.
-        block = max(1, _BLOCK_VALUES // max(width, 1))
-        buf = np.empty((min(block, num_rows), width), dtype=np.float32)
-        buf_t = torch.from_numpy(buf)
-        for a in range(0, num_rows, block):
-            b = min(a + block, num_rows)
-            np.take(_FP8_TO_FP32, codes[a:b], out=buf[: b - a])
-            np.multiply(buf[: b - a], scale[a:b, None], out=buf[: b - a])
-            out[a:b].copy_(buf_t[: b - a])
-        return out.reshape(values.shape)
+        return _decode_span(parts, int(offsets[start]), int(offsets[end]), dtype)
+
+    def decode_rows(
+        self, parts: Mapping[str, torch.Tensor], offsets: torch.Tensor, sample: int, first: int, last: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:  # fmt: skip
+        base = int(offsets[sample])  # each row has its own scale: a run of rows decodes on its own
+        return _decode_span(parts, base + first, base + last, dtype)
+
+
+def _decode_span(parts: Mapping[str, torch.Tensor], r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of the shard's key as ``dtype``."""
+    values = parts[""][r0:r1]
+    num_rows, width = values.shape[0], math.prod(values.shape[1:])
+    codes = values.view(torch.uint8).reshape(num_rows, width).numpy()
+    scale = parts["scale"][r0:r1].numpy()
+    out = torch.empty((num_rows, width), dtype=dtype)
+    # torch's fp8 -> fp32 cast runs at ~150 M values/s per core; a 256-entry table
+    # lookup plus an fp32 multiply gives the same bits ~5x faster. Working in
+    # blocks keeps the fp32 intermediate in cache.
+    block = max(1, _BLOCK_VALUES // max(width, 1))
+    buf = np.empty((min(block, num_rows), width), dtype=np.float32)
+    buf_t = torch.from_numpy(buf)
+    for a in range(0, num_rows, block):
+        b = min(a + block, num_rows)
+        np.take(_FP8_TO_FP32, codes[a:b], out=buf[: b - a])
+        np.multiply(buf[: b - a], scale[a:b, None], out=buf[: b - a])
+        out[a:b].copy_(buf_t[: b - a])
+    return out.reshape(values.shape)
 
 
 def fp8_error(original: torch.Tensor, decoded: torch.Tensor) -> dict[str, float]:

@@ -117,24 +117,51 @@ class Zbf16Encoding:
         dctx = zstandard.ZstdDecompressor()
         for i in range(end - start):
             a, b = (row_bounds[i] - r0) * width, (row_bounds[i + 1] - r0) * width
-            chunk = hi_all[chunk_bounds[i] : chunk_bounds[i + 1]]
-            if chunk.shape[0] == b - a:
-                hi = chunk
-            else:
-                try:
-                    hi = np.frombuffer(dctx.decompress(chunk), dtype=np.uint8)
-                except zstandard.ZstdError as e:
-                    raise ValueError(f"zbf16: corrupt high-byte chunk of sample {start + i}: {e}") from e
-                if hi.shape[0] != b - a:
-                    raise ValueError(
-                        f"zbf16: corrupt high-byte chunk of sample {start + i}: "
-                        f"{hi.shape[0]} bytes decoded, {b - a} expected"
-                    )
-            seg = out[a:b]
-            np.left_shift(hi, 8, out=seg, dtype=np.uint16)
-            np.bitwise_or(seg, lo[a:b], out=seg)
+            hi = _high_plane(hi_all[chunk_bounds[i] : chunk_bounds[i + 1]], b - a, start + i, dctx)
+            _join_planes(hi, lo[a:b], out[a:b])
         values = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
         return values.reshape(row_bounds[-1] - r0, *lo_part.shape[1:]).to(dtype)
+
+    def decode_rows(
+        self, parts: Mapping[str, torch.Tensor], offsets: torch.Tensor, sample: int, first: int, last: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:  # fmt: skip
+        lo_part = parts["lo"]
+        width = math.prod(lo_part.shape[1:])
+        base, end = (int(r) for r in offsets[sample : sample + 2].tolist())
+        c0, c1 = parts["hi_offsets"][sample : sample + 2].tolist()
+        # A zstd frame decompresses whole: the sample's high bytes are read in full, its low bytes only for the rows.
+        hi = _high_plane(parts["hi"].numpy()[c0:c1], (end - base) * width, sample, zstandard.ZstdDecompressor())
+        lo = lo_part[base + first : base + last].numpy().reshape(-1)
+        out = np.empty(lo.shape[0], dtype=np.uint16)
+        _join_planes(hi[first * width : last * width], lo, out)
+        values = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
+        return values.reshape(last - first, *lo_part.shape[1:]).to(dtype)
+
+
+def _high_plane(chunk: np.ndarray, nbytes: int, sample: int, dctx: zstandard.ZstdDecompressor) -> np.ndarray:
+    """Sample ``sample``'s ``nbytes`` high bytes from its stored chunk (a zstd frame, or the bytes themselves).
+
+    Raises:
+        ValueError: the chunk does not decode to ``nbytes`` bytes.
+    """
+    if chunk.shape[0] == nbytes:
+        return chunk
+    try:
+        hi = np.frombuffer(dctx.decompress(chunk), dtype=np.uint8)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"zbf16: corrupt high-byte chunk of sample {sample}: {e}") from e
+    if hi.shape[0] != nbytes:
+        raise ValueError(
+            f"zbf16: corrupt high-byte chunk of sample {sample}: {hi.shape[0]} bytes decoded, {nbytes} expected"
+        )
+    return hi
+
+
+def _join_planes(hi: np.ndarray, lo: np.ndarray, out: np.ndarray) -> None:
+    """``out`` (uint16) = ``hi << 8 | lo``."""
+    np.left_shift(hi, 8, out=out, dtype=np.uint16)
+    np.bitwise_or(out, lo, out=out)
 
 
 def entropy_bound_bytes(plane: np.ndarray) -> float:
