@@ -169,9 +169,11 @@ class HfEngine:
         outputs: Mapping[Hashable, int],
         input_of_first: Hashable | None = None,
     ) -> tuple[torch.Tensor, dict[Hashable, torch.Tensor]]:
-        """:func:`speccache.methods.decoder.forward_capturing` over the opened model."""
+        """:func:`speccache.methods.decoder.forward_capturing` over the opened model, in ``--prefill-chunk`` chunks."""
         assert self.model is not None, "HfEngine.capture before open"
-        return forward_capturing(self.model, input_ids, attention_mask, outputs, input_of_first)
+        return forward_capturing(
+            self.model, input_ids, attention_mask, outputs, input_of_first, chunk=self.cfg.prefill_chunk
+        )
 
     def close(self) -> None:
         """Nothing to release: the model goes with the engine."""

@@ -44,6 +44,7 @@ __all__ = [
     "VllmEngine",
     "VllmPrecomputeEngine",
     "check_cpu_head_size",
+    "chunked_prefill_args",
     "check_vllm_target",
     "rank_environment",
     "run_engine_core_here",
@@ -145,6 +146,12 @@ def check_cpu_head_size(model_config: Any, found: str) -> None:
 def _memory_share(share: float | None) -> dict[str, Any]:
     """The ``vllm.LLM`` argument of ``--gpu-memory-utilization`` (nothing when it was not given)."""
     return {} if share is None else {"gpu_memory_utilization": share}
+
+
+def chunked_prefill_args(chunk: int | None) -> dict[str, Any]:
+    """The ``vllm.LLM`` arguments of ``--prefill-chunk``: chunked prefill, at most ``chunk`` tokens per engine step
+    (nothing when it was not given: vLLM's own default)."""
+    return {} if chunk is None else {"enable_chunked_prefill": True, "max_num_batched_tokens": chunk}
 
 
 def run_engine_core_here() -> None:
@@ -463,6 +470,7 @@ class VllmPrecomputeEngine:
             tensor_parallel_size=cfg.tensor_parallel_size,
             environment=self.environment,
             **({"enable_expert_parallel": True} if cfg.enable_expert_parallel else {}),
+            **chunked_prefill_args(cfg.prefill_chunk),
             **{**self.engine_args, **_memory_share(cfg.gpu_memory_utilization)},  # the user's share over a rank's
         )
         self._capture = self.engine.capture(final_norm(loaded.model), num_layers)

@@ -30,6 +30,9 @@ def _cache_keyword(cls: type) -> str:
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
+_LAST = object()
+"""The key of the final norm's output among a chunked forward's captured tensors."""
+
 Capture = Callable[
     [torch.Tensor, torch.Tensor, Mapping[Hashable, int], "Hashable | None"],
     tuple[torch.Tensor, dict[Hashable, torch.Tensor]],
@@ -74,15 +77,22 @@ def forward_capturing(
     attention_mask: torch.Tensor,
     outputs: Mapping[Hashable, int],
     input_of_first: Hashable | None = None,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, dict[Hashable, torch.Tensor]]:
     """Run the target's decoder once, capturing decoder layers' outputs (and the first layer's input).
+
+    With ``chunk``, a sequence longer than ``chunk`` tokens is computed ``chunk`` tokens at a time, each chunk
+    attending to the ones before through a KV cache (chunked prefill): the activations of one forward are those
+    of a chunk (its attention: ``chunk`` queries over the tokens so far), not of the whole sequence; the features
+    are the unchunked forward's up to rounding (fp32: within 1e-5).
 
     Args:
         model: the causal LM.
         input_ids: ``[B, T]`` token ids.
-        attention_mask: ``[B, T]``.
+        attention_mask: ``[B, T]`` (right padding: a sample's real tokens first).
         outputs: capture key -> decoder layer index whose output (before the final norm) it receives.
         input_of_first: capture key for the first decoder layer's input (the embedding output), if wanted.
+        chunk: the most tokens per forward (``None``: the whole sequence at once).
 
     Returns:
         ``(last_hidden_state, captured)``: the decoder's output after its final norm, and the captured tensors.
@@ -105,9 +115,32 @@ def forward_capturing(
     handles = [layers[index].register_forward_hook(after(key)) for key, index in outputs.items()]
     if input_of_first is not None:
         handles.append(layers[0].register_forward_pre_hook(before(input_of_first), with_kwargs=True))
+    decoder = model.get_decoder()
     try:
-        out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        length = input_ids.shape[1]
+        if chunk is None or length <= chunk:
+            out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            return out.last_hidden_state, captured
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        whole: dict[Hashable, torch.Tensor] = {}  # the outputs, filled chunk by chunk (no concatenated copy)
+        for start in range(0, length, chunk):
+            end = min(start + chunk, length)
+            out = decoder(
+                input_ids=input_ids[:, start:end],
+                attention_mask=attention_mask[:, :end],  # the tokens so far: the cache's and this chunk's
+                use_cache=True,
+                **cache_argument(decoder, cache),
+            )
+            captured[_LAST] = out.last_hidden_state
+            for key, part in captured.items():
+                if key not in whole:
+                    whole[key] = part.new_empty((part.shape[0], length, *part.shape[2:]))
+                whole[key][:, start:end] = part
+            captured.clear()
+        last = whole.pop(_LAST)
+        return last, whole
     finally:
         for h in handles:
             h.remove()
-    return out.last_hidden_state, captured

@@ -94,6 +94,13 @@ def add_precompute_arguments(p: argparse.ArgumentParser) -> None:
         help="instead of --batch-size: the most padded tokens (samples x the longest) one forward may hold",
     )
     p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="compute samples longer than N tokens N at a time, a KV cache carried across the chunks (bounded "
+        "activation memory for long samples; --engine vllm: its chunked prefill, N tokens per step)",
+    )
+    p.add_argument(
         "--batching",
         choices=["sorted", "ordered"],
         default="sorted",
@@ -168,6 +175,7 @@ class PrecomputeConfig:
     max_length: int = 2048
     batch_size: int = 8
     max_batch_tokens: int | None = None
+    prefill_chunk: int | None = None
     batching: str = "sorted"
     shard_size: int = 256
     dtype: str = "bf16"
@@ -221,6 +229,7 @@ class PrecomputeConfig:
             max_length=args.max_length,
             batch_size=args.batch_size,
             max_batch_tokens=args.max_batch_tokens,
+            prefill_chunk=getattr(args, "prefill_chunk", None),
             batching=args.batching,
             shard_size=args.shard_size,
             dtype=args.dtype,
@@ -282,6 +291,8 @@ class PrecomputeConfig:
             raise ValueError(
                 f"--max-batch-tokens {self.max_batch_tokens} must be >= 1, with --batching sorted (the default)"
             )
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"--prefill-chunk must be >= 1 tokens, got {self.prefill_chunk}")
         if self.shard_size < 1 or self.shard_size % self.batch_size:
             raise ValueError(
                 f"--shard-size {self.shard_size} must be a positive multiple of --batch-size {self.batch_size}, "
@@ -456,6 +467,8 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
         **({"tools_hash": _json_hash(fmt.tools)} if fmt is not None and fmt.tools is not None else {}),
         **({"turns": cfg.turns} if cfg.turns != "all" else {}),
         **({"expand_turns": True} if cfg.expand_turns else {}),
+        # chunks change the features' rounding, as batches do: a resume computes the same ones
+        **({"prefill_chunk": cfg.prefill_chunk} if cfg.prefill_chunk is not None else {}),
         "engine": cfg.engine,
     }
     return Plan(
