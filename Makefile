@@ -84,6 +84,7 @@ bench: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/regenerate.py --out docs/benchmarks.md
 	$(PY) benchmarks/shard_memory.py --model-dir bench-out/shard-memory-model --tiny-dir bench-out/shard-memory-tiny --out docs/benchmarks.md
 	OMP_NUM_THREADS=1 $(PY) benchmarks/streaming.py --out docs/benchmarks.md
+	OMP_NUM_THREADS=1 $(PY) benchmarks/long_samples.py --out docs/benchmarks.md
 
 # The acceptance run of issue 21 (benchmarks/acceptance.py): regenerate answers to the bundled prompts with
 # SmolLM2-135M-Instruct, precompute, train a draft per size and evaluate it against prompt lookup and the n-gram
@@ -100,9 +101,10 @@ footprint: install
 	$(PY) benchmarks/superset_footprint.py --out docs/footprint_superset.md
 	$(PY) benchmarks/interop_footprint.py --out docs/footprint_interop.md
 
-# The crash, corruption and fuzz suites with many more kill points and examples (minutes, not seconds).
+# The crash, corruption and fuzz suites with many more kill points and examples, and a 131,072-token sample in
+# chunks (minutes, not seconds).
 soak: install
-	SPECCACHE_SOAK=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_crash.py tests/test_fuzz.py tests/test_concurrency.py
+	SPECCACHE_SOAK=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_crash.py tests/test_fuzz.py tests/test_concurrency.py tests/test_long_samples.py
 
 clean:
 	rm -rf $(DEMO_OUT) $(DEMO_OUT)-real bench-out .pytest_cache

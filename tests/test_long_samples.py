@@ -2,8 +2,9 @@
 
 ``forward_capturing(..., chunk=N)`` equals the unchunked forward (fp32, within 1e-5) on every bundled
 architecture, for right-padded batches and a chunk that does not divide the length; a whole precompute in
-chunks equals one without; a long sample's chunked forward stays under a stated memory bound that the unchunked
-one exceeds many times over. ``SPECCACHE_SOAK=1`` (``make soak``) runs a 131,072-token sample too.
+chunks equals one without; a long sample's chunked forward stays under a stated memory bound, and on a target
+with a real target's proportion of MLP to attention holds a fraction of the unchunked forward's memory.
+``SPECCACHE_SOAK=1`` (``make soak``) runs a 131,072-token sample too.
 """
 
 from __future__ import annotations
@@ -70,9 +71,16 @@ def test_a_long_sample_in_chunks_equals_its_unchunked_forward():
 def test_a_long_sample_in_chunks_stays_under_the_memory_bound():
     length, chunk = 16_384, 512
     bound = memory_bound(length, chunk)
-    assert bound < length * length * 4  # the unchunked forward's scores of one head alone would not fit under it
+    assert bound < length * length * 4  # an attention that holds its T x T scores (eager, masked) would not fit
     peak = forward_peak_bytes(length, chunk)
     assert peak <= bound, f"{peak / 2**20:.0f} MiB over the bound of {bound / 2**20:.0f} MiB"
+
+
+def test_chunks_cut_the_memory_of_a_wide_mlp_targets_forward():
+    length = 16_384
+    whole = forward_peak_bytes(length, None, "wide-mlp")
+    chunked = forward_peak_bytes(length, 512, "wide-mlp")
+    assert chunked * 3 < whole, f"chunked {chunked / 2**20:.0f} MiB, unchunked {whole / 2**20:.0f} MiB"
 
 
 @pytest.mark.skipif(not SOAK, reason="a 131,072-token sample takes minutes on 2 cores: SPECCACHE_SOAK=1 (make soak)")

@@ -1,8 +1,8 @@
 """A long-sample target and the memory of its chunked forward (tests/test_long_samples.py, benchmarks/long_samples.py).
 
-``python -m speccache.testing.long LENGTH CHUNK`` runs :func:`forward_capturing` of :func:`long_target` on one
-sample of ``LENGTH`` tokens in chunks of ``CHUNK`` (0: unchunked) and prints the peak growth of the process's
-resident memory during the forward, in bytes; :func:`forward_peak_bytes` runs it in a fresh process.
+``python -m speccache.testing.long LENGTH CHUNK TARGET`` runs :func:`forward_capturing` of ``TARGETS[TARGET]``
+on one sample of ``LENGTH`` tokens in chunks of ``CHUNK`` (0: unchunked) and prints the peak growth of the
+process's resident memory during the forward, in bytes; :func:`forward_peak_bytes` runs it in a fresh process.
 """
 
 from __future__ import annotations
@@ -18,7 +18,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from speccache.methods.decoder import forward_capturing
 
-__all__ = ["LONG_TARGET", "forward_peak_bytes", "long_target", "memory_bound", "right_padded"]
+__all__ = [
+    "LONG_TARGET",
+    "TARGETS",
+    "WIDE_MLP_TARGET",
+    "forward_peak_bytes",
+    "long_target",
+    "memory_bound",
+    "right_padded",
+]
 
 LONG_TARGET = dict(
     vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -26,11 +34,17 @@ LONG_TARGET = dict(
 )  # fmt: skip
 """A Llama small enough for 131,072 tokens on a CPU: 2 layers, hidden 32, 2 heads of 16, 1 KV head."""
 
+WIDE_MLP_TARGET = dict(LONG_TARGET, hidden_size=64, intermediate_size=4096, num_hidden_layers=1, head_dim=32)
+"""As :data:`LONG_TARGET` with a real target's proportion of MLP to attention width (an 8B's MLP is 3.5x its
+hidden size, with 32 heads): per token its MLP's activations outweigh one chunk's attention scores."""
 
-def long_target(seed: int = 0) -> LlamaForCausalLM:
-    """The random fp32 :data:`LONG_TARGET` of ``seed``."""
+TARGETS = {"narrow": LONG_TARGET, "wide-mlp": WIDE_MLP_TARGET}
+
+
+def long_target(seed: int = 0, config: dict | None = None) -> LlamaForCausalLM:
+    """The random fp32 Llama of ``config`` (default :data:`LONG_TARGET`) and ``seed``."""
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**LONG_TARGET)).eval()
+    return LlamaForCausalLM(LlamaConfig(**(config or LONG_TARGET))).eval()
 
 
 def right_padded(lengths: list[int], vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,11 +72,11 @@ def memory_bound(length: int, chunk: int) -> int:
     return 2 * (outputs + kv + attention) + (64 << 20)
 
 
-def forward_peak_bytes(length: int, chunk: int | None) -> int:
-    """The peak growth of resident memory while :data:`LONG_TARGET` computes one ``length``-token sample in
+def forward_peak_bytes(length: int, chunk: int | None, target: str = "narrow") -> int:
+    """The peak growth of resident memory while ``TARGETS[target]`` computes one ``length``-token sample in
     ``chunk``-token chunks (``None``: at once), measured in a fresh one-thread process."""
     out = subprocess.run(
-        [sys.executable, "-m", "speccache.testing.long", str(length), str(chunk or 0)],
+        [sys.executable, "-m", "speccache.testing.long", str(length), str(chunk or 0), target],
         capture_output=True, text=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     if out.returncode != 0:
@@ -70,9 +84,9 @@ def forward_peak_bytes(length: int, chunk: int | None) -> int:
     return int(out.stdout.split()[-1])
 
 
-def _measure(length: int, chunk: int | None) -> int:
+def _measure(length: int, chunk: int | None, target: str) -> int:
     torch.set_num_threads(1)
-    model = long_target()
+    model = long_target(config=TARGETS[target])
     ids, mask = right_padded([length], LONG_TARGET["vocab_size"])
     page = os.sysconf("SC_PAGE_SIZE")
 
@@ -99,4 +113,4 @@ def _measure(length: int, chunk: int | None) -> int:
 
 
 if __name__ == "__main__":
-    print(_measure(int(sys.argv[1]), int(sys.argv[2]) or None))
+    print(_measure(int(sys.argv[1]), int(sys.argv[2]) or None, sys.argv[3]))
