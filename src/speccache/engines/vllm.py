@@ -45,6 +45,7 @@ __all__ = [
     "VllmPrecomputeEngine",
     "check_cpu_head_size",
     "chunked_prefill_args",
+    "chunked_prefill_sequences",
     "check_vllm_target",
     "rank_environment",
     "run_engine_core_here",
@@ -152,6 +153,18 @@ def chunked_prefill_args(chunk: int | None) -> dict[str, Any]:
     """The ``vllm.LLM`` arguments of ``--prefill-chunk``: chunked prefill, at most ``chunk`` tokens per engine step
     (nothing when it was not given: vLLM's own default)."""
     return {} if chunk is None else {"enable_chunked_prefill": True, "max_num_batched_tokens": chunk}
+
+
+_STEP_SEQUENCES = 256
+"""vLLM's default ``max_num_seqs`` of ``vllm.LLM`` on most devices (1024 on large GPUs)."""
+
+
+def chunked_prefill_sequences(chunk: int | None) -> dict[str, Any]:
+    """The ``max_num_seqs`` that ``--prefill-chunk`` needs: vLLM refuses a ``max_num_batched_tokens`` below it
+    ("must be greater than or equal to max_num_seqs"), and its default is 256, or 1024 on large GPUs. So a chunk
+    caps the sequences of one step at ``min(chunk, 256)``; a step of ``chunk`` tokens holds at most ``chunk``
+    sequences anyway, and speccache's requests are prefills of one sampled token."""
+    return {} if chunk is None else {"max_num_seqs": min(chunk, _STEP_SEQUENCES)}
 
 
 def run_engine_core_here() -> None:
@@ -471,6 +484,7 @@ class VllmPrecomputeEngine:
             environment=self.environment,
             **({"enable_expert_parallel": True} if cfg.enable_expert_parallel else {}),
             **chunked_prefill_args(cfg.prefill_chunk),
+            **chunked_prefill_sequences(cfg.prefill_chunk),
             **{**self.engine_args, **_memory_share(cfg.gpu_memory_utilization)},  # the user's share over a rank's
         )
         self._capture = self.engine.capture(final_norm(loaded.model), num_layers)
