@@ -36,7 +36,7 @@ from torch import nn
 
 from speccache.devices import target_device
 from speccache.methods.base import DTYPES, CaptureRequest, LoadedTarget
-from speccache.methods.decoder import decoder_layers, forward_capturing
+from speccache.methods.decoder import decoder_calls, decoder_layers, forward_capturing
 from speccache.write import Comm
 from speccache.write.dist import (
     DataParallelGroups,
@@ -169,11 +169,24 @@ class HfEngine:
         outputs: Mapping[Hashable, int],
         input_of_first: Hashable | None = None,
     ) -> tuple[torch.Tensor, dict[Hashable, torch.Tensor]]:
-        """:func:`speccache.methods.decoder.forward_capturing` over the opened model, in ``--prefill-chunk`` chunks."""
+        """:func:`speccache.methods.decoder.forward_capturing` over the opened model, in ``--prefill-chunk`` chunks.
+
+        Under ``fsdp`` every decoder forward is a collective of all ranks (each layer's all-gather), and a batch's
+        chunk count follows its length: so the ranks first agree on the most chunks any of them has this step, and
+        a rank with fewer joins the others' remaining forwards with one-token forwards whose outputs it discards
+        (as the lockstep loop joins a rank with fewer batches). ``tp`` needs none: a group computes one batch.
+        """
         assert self.model is not None, "HfEngine.capture before open"
-        return forward_capturing(
-            self.model, input_ids, attention_mask, outputs, input_of_first, chunk=self.cfg.prefill_chunk
-        )
+        chunk = self.cfg.prefill_chunk
+        calls = decoder_calls(input_ids.shape[1], chunk)
+        joined = self.comm.max_int(calls) if chunk is not None and self.cfg.shard_target == "fsdp" else calls
+        result = forward_capturing(self.model, input_ids, attention_mask, outputs, input_of_first, chunk=chunk)
+        if joined > calls:
+            decoder = self.model.get_decoder()
+            with torch.no_grad():
+                for _ in range(joined - calls):
+                    decoder(input_ids=input_ids[:, :1], attention_mask=attention_mask[:, :1], use_cache=False)
+        return result
 
     def close(self) -> None:
         """Nothing to release: the model goes with the engine."""

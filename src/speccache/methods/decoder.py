@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Capture", "cache_argument", "decoder_layers", "final_norm", "forward_capturing"]
+__all__ = ["Capture", "cache_argument", "decoder_calls", "decoder_layers", "final_norm", "forward_capturing"]
 
 
 def cache_argument(module: nn.Module, cache: Any) -> dict[str, Any]:
@@ -70,6 +70,11 @@ def final_norm(model: nn.Module) -> nn.Module:
     return norm
 
 
+def decoder_calls(length: int, chunk: int | None) -> int:
+    """How many decoder forwards :func:`forward_capturing` makes for ``length`` tokens in ``chunk``-token chunks."""
+    return 1 if chunk is None or length <= chunk else -(-length // chunk)
+
+
 @torch.no_grad()
 def forward_capturing(
     model: nn.Module,
@@ -89,7 +94,8 @@ def forward_capturing(
     Args:
         model: the causal LM.
         input_ids: ``[B, T]`` token ids.
-        attention_mask: ``[B, T]`` (right padding: a sample's real tokens first).
+        attention_mask: ``[B, T]``; padding on either side (chunked, positions count from the first column as they
+            do unchunked, and each chunk's mask is the columns so far).
         outputs: capture key -> decoder layer index whose output (before the final norm) it receives.
         input_of_first: capture key for the first decoder layer's input (the embedding output), if wanted.
         chunk: the most tokens per forward (``None``: the whole sequence at once).
@@ -123,7 +129,7 @@ def forward_capturing(
             return out.last_hidden_state, captured
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=model.config)
+        cache = DynamicCache(config=decoder.config)  # the decoder's own (a text config)
         whole: dict[Hashable, torch.Tensor] = {}  # the outputs, filled chunk by chunk (no concatenated copy)
         for start in range(0, length, chunk):
             end = min(start + chunk, length)
