@@ -155,3 +155,30 @@ def test_vllm_gets_the_chunk_as_its_chunked_prefill(tiny_models):
     assert engine.engine is not None
     assert engine.engine.engine_args["enable_chunked_prefill"] is True
     assert engine.engine.engine_args["max_num_batched_tokens"] == 512
+
+
+def test_the_eagle3_head_in_runs_of_rows_gives_the_whole_batchs_features(tiny_models, tmp_path, monkeypatch):
+    """A long sample's logits are computed in runs of rows (``HEAD_VALUES``): the features are the same."""
+    from speccache.cli import main
+    from speccache.methods import eagle3
+
+    def run(out: str) -> CacheDataset:
+        argv = ["precompute", "--model", tiny_models("llama"), "--data", demo_data_path("sharegpt"), "--out", out,
+                "--limit", "16", "--max-length", "160", "--model-dtype", "fp32", "--dtype", "fp32", "--quiet",
+                "--device", "cpu", "--supervision", "topk:4", "--draft-vocab-size", "300", "--batch-size", "8",
+                "--shard-size", "8"]  # fmt: skip
+        assert main(argv) == 0
+        return CacheDataset(out)
+
+    whole = run(str(tmp_path / "whole"))
+    monkeypatch.setattr(eagle3, "HEAD_VALUES", 8 * 1000)  # a few rows per run of the head (a batch of 8)
+    runs = run(str(tmp_path / "runs"))
+    assert len(whole) == len(runs) == 16
+    for index in range(len(whole)):
+        a, b = whole[index], runs[index]
+        assert set(a) == set(b) and "topk_probs" in a and "in_draft" in a
+        for key, value in a.items():
+            if value.is_floating_point():
+                assert float((value - b[key]).abs().max()) <= 1e-5 * max(1.0, float(value.abs().max())), key
+            else:
+                assert torch.equal(value, b[key]), (index, key)

@@ -276,6 +276,10 @@ def side_tensors(
 # the target side
 
 
+HEAD_VALUES = 1 << 28
+"""The most fp32 logits (1 GiB) the EAGLE-3 target computes at once: longer batches run the head in runs of rows."""
+
+
 class Eagle3Target:
     """A frozen target that turns padded token batches into EAGLE-3 features.
 
@@ -324,23 +328,33 @@ class Eagle3Target:
             "last_hidden_state": last,
         }
         if has_logits(self.supervision, self.full_vocab):
-            logits = self.lm_head(last).float()
-            log_probs = torch.log_softmax(logits, dim=-1)
-            feats[STAT_PREFIX + "mean_entropy"] = -(log_probs.exp() * log_probs).sum(-1)
-            feats[STAT_PREFIX + "mean_top1"] = log_probs.amax(-1).exp()
-            draft_logits = logits[..., self.selected]
-            if not self.full_vocab:
-                in_draft = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
-                in_draft[self.selected] = True
-                feats["in_draft"] = in_draft[logits.argmax(-1)]
-            if self.supervision.mode != "hidden":
-                probs = torch.softmax(draft_logits, dim=-1)
-                if self.supervision.mode == "probs":
-                    feats["target_probs"] = probs
-                else:
-                    values, ids = probs.topk(self.supervision.k, dim=-1)
-                    feats["topk_probs"] = values / values.sum(-1, keepdim=True)
-                    feats["topk_ids"] = ids.to(torch.int32)
+            # The head's fp32 logits are [B, T, V]: a long sample's (128K tokens of a 128K vocabulary: 64 GiB) are
+            # computed in runs of rows, each row's features alone, so that at most HEAD_VALUES of them are held.
+            rows = max(1, HEAD_VALUES // max(1, last.shape[0] * self.vocab_size))
+            runs = [self._head_features(last[:, a : a + rows]) for a in range(0, last.shape[1], rows)]
+            feats.update({k: torch.cat([r[k] for r in runs], dim=1) for k in runs[0]} if len(runs) > 1 else runs[0])
+        return feats
+
+    def _head_features(self, last: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The logits-derived features of ``last`` (``[B, t, H]``, final-norm output), each row's from its own."""
+        feats: dict[str, torch.Tensor] = {}
+        logits = self.lm_head(last).float()
+        log_probs = torch.log_softmax(logits, dim=-1)
+        feats[STAT_PREFIX + "mean_entropy"] = -(log_probs.exp() * log_probs).sum(-1)
+        feats[STAT_PREFIX + "mean_top1"] = log_probs.amax(-1).exp()
+        draft_logits = logits[..., self.selected]
+        if not self.full_vocab:
+            in_draft = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+            in_draft[self.selected] = True
+            feats["in_draft"] = in_draft[logits.argmax(-1)]
+        if self.supervision.mode != "hidden":
+            probs = torch.softmax(draft_logits, dim=-1)
+            if self.supervision.mode == "probs":
+                feats["target_probs"] = probs
+            else:
+                values, ids = probs.topk(self.supervision.k, dim=-1)
+                feats["topk_probs"] = values / values.sum(-1, keepdim=True)
+                feats["topk_ids"] = ids.to(torch.int32)
         return feats
 
     def layer_of(self, key: str, column: int) -> str:
