@@ -104,7 +104,7 @@ def test_an_fp8_range_read_decodes_only_its_rows(caches, monkeypatch):
     assert spans == [3]
 
 
-def test_a_raw_range_read_touches_only_its_rows_of_the_mapping(caches, monkeypatch):
+def test_a_raw_range_read_touches_only_its_rows_of_the_mapping(caches):
     ds = CacheDataset(caches["raw"], keys=["hidden"])
     index = max(range(len(ds)), key=ds.sample_length)
     whole = ds.read(index)["hidden"]
