@@ -7,8 +7,6 @@ the experts over an engine's --tensor-parallel-size workers); benchmarks/engine_
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 from enginelib import require_vllm
 
@@ -16,6 +14,7 @@ from speccache.cli import main
 from speccache.demo import demo_data_path
 from speccache.engines.vllm import VllmPrecomputeEngine
 from speccache.methods.base import CaptureRequest
+from speccache.precompute.run import PrecomputeConfig
 from speccache.write import LocalComm
 
 require_vllm()
@@ -63,8 +62,9 @@ def test_the_memory_share_reaches_the_llm_arguments(vllm_models, tmp_path, monke
 
 
 def test_a_given_memory_share_replaces_a_ranks_share(vllm_models, monkeypatch):
-    cfg = SimpleNamespace(model=vllm_models("llama"), model_dtype="fp32", tensor_parallel_size=1,
-                          enable_expert_parallel=False, gpu_memory_utilization=0.2)  # fmt: skip
+    # the real settings, so that a field precompute adds reaches this test too
+    cfg = PrecomputeConfig(model=vllm_models("llama"), data="", out="", model_dtype="fp32", engine="vllm",
+                           gpu_memory_utilization=0.2)  # fmt: skip
     engine = VllmPrecomputeEngine(cfg, LocalComm())
     engine.engine_args = {"gpu_memory_utilization": 0.45}  # what rank_environment gives each of two CPU ranks
     engine.environment = {}
@@ -73,6 +73,7 @@ def test_a_given_memory_share_replaces_a_ranks_share(vllm_models, monkeypatch):
 
 
 def test_the_manifest_records_expert_parallelism():
-    cfg = SimpleNamespace(tensor_parallel_size=2, enable_expert_parallel=True)
+    cfg = PrecomputeConfig(model="", data="", out="", engine="vllm", tensor_parallel_size=2,
+                           enable_expert_parallel=True)  # fmt: skip
     record = VllmPrecomputeEngine(cfg, LocalComm()).record()["engine"]
     assert record["enable_expert_parallel"] is True and record["data_parallel_size"] == 1
