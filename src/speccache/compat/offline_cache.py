@@ -46,7 +46,7 @@ from speccache.format.manifest import manifest_text
 from speccache.format.shard import SHARD_META_CHECKSUMS
 from speccache.read import CacheDataset, SampleView
 from speccache.read.collate import BufferPool, batch_tensor
-from speccache.read.dataset import open_stacked_file, read_into, readable_layout, view_layouts
+from speccache.read.dataset import batch_rows, open_stacked_file, read_into, readable_layout
 from speccache.write.loops import ShardAccumulator, partition_cache_shards, subset_loader
 
 __all__ = [
@@ -358,16 +358,16 @@ costs a page fault per 4 KiB, about as much as reading the data into it)."""
 def collate_cached(features: list[dict[str, torch.Tensor]], keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """Stack per-sample cache dicts into a batch (the keys of :class:`CachedTensorDataset`'s samples read straight
     from the shard files into it)."""
-    layouts, untouched = view_layouts(features)
+    rows = batch_rows(features)
     batch = {}
     for key in keys:
-        layout = readable_layout(features, layouts, untouched, key, ragged=False)
+        layout = readable_layout(features, rows, key, ragged=False)
         if layout is None:
             batch[key] = torch.stack([feature[key] for feature in features], dim=0)
         else:
             shape = (len(features), *layout.shape)
             batch[key] = out = batch_tensor(shape, layout.dtype, pin=False, pool=_BATCH_MEMORY)
-            read_into(out, features, key, layout, range(0, len(features) * layout.row_bytes, layout.row_bytes))
+            read_into(out, rows, key, layout, range(0, len(features) * layout.row_bytes, layout.row_bytes))
     return batch
 
 

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from speccache.format import bytes_view
-from speccache.read.dataset import Sample, read_into, readable_layout, row_counts, view_layouts
+from speccache.read.dataset import BatchRows, Sample, batch_rows, read_into, readable_layout
 
 __all__ = ["PadCollator", "PackCollator"]
 
@@ -148,22 +148,22 @@ class _Collator:
 
     def __call__(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         pin = _pin() if self.pin_memory is None else self.pin_memory
-        infos, untouched = view_layouts(samples)
+        rows = batch_rows(samples)
         batch: dict[str, torch.Tensor] = {}
         lengths: list[int] | None = None
         counts: list[int] | None = None  # rows per sample, shared by every ragged key read from the shards
         for key in samples[0]:
             ragged = key in self.ragged_keys
-            info = readable_layout(samples, infos, untouched, key, ragged)
+            info = readable_layout(samples, rows, key, ragged)
             if not ragged:
                 if info is None:
                     batch[key] = _stack([s[key] for s in samples], pin, self._pool)
                 else:
                     batch[key] = out = batch_tensor((len(samples), *info.shape), info.dtype, pin, self._pool)
-                    read_into(out, samples, key, info, [i * info.row_bytes for i in range(len(samples))])
+                    read_into(out, rows, key, info, [i * info.row_bytes for i in range(len(samples))])
             elif info is not None:
-                lengths = counts = counts or row_counts(samples)
-                batch[key] = self._ragged_from_files(samples, key, info, counts, pin)
+                lengths = counts = counts or rows.counts()
+                batch[key] = self._ragged_from_files(rows, key, info, counts, pin)
             else:
                 tensors = [s[key] for s in samples]
                 lengths = [t.shape[0] for t in tensors]
@@ -172,9 +172,7 @@ class _Collator:
             batch.update(self._length_tensors(lengths))
         return batch
 
-    def _ragged_from_files(
-        self, samples: list[Sample], key: str, info: Any, lengths: list[int], pin: bool
-    ) -> torch.Tensor:
+    def _ragged_from_files(self, rows: BatchRows, key: str, info: Any, lengths: list[int], pin: bool) -> torch.Tensor:
         raise NotImplementedError
 
     def _ragged_from_tensors(
@@ -210,13 +208,11 @@ class PadCollator(_Collator):
         super().__init__(ragged_keys, pin_memory)
         self.pad_values = dict(pad_values or {})
 
-    def _ragged_from_files(
-        self, samples: list[Sample], key: str, info: Any, lengths: list[int], pin: bool
-    ) -> torch.Tensor:
+    def _ragged_from_files(self, rows: BatchRows, key: str, info: Any, lengths: list[int], pin: bool) -> torch.Tensor:
         longest = max(lengths)
-        out = batch_tensor((len(samples), longest, *info.shape), info.dtype, pin, self._pool)
+        out = batch_tensor((len(lengths), longest, *info.shape), info.dtype, pin, self._pool)
         stride = longest * info.row_bytes
-        read_into(out, samples, key, info, [i * stride for i in range(len(samples))])
+        read_into(out, rows, key, info, [i * stride for i in range(len(lengths))])
         _pad_rows(out, lengths, self.pad_values.get(key, 0))
         return out
 
@@ -251,12 +247,10 @@ class PackCollator(_Collator):
         pin_memory: as for :class:`PadCollator`.
     """
 
-    def _ragged_from_files(
-        self, samples: list[Sample], key: str, info: Any, lengths: list[int], pin: bool
-    ) -> torch.Tensor:
+    def _ragged_from_files(self, rows: BatchRows, key: str, info: Any, lengths: list[int], pin: bool) -> torch.Tensor:
         out = batch_tensor((sum(lengths), *info.shape), info.dtype, pin, self._pool)
         starts = itertools.accumulate(lengths[:-1], initial=0)
-        read_into(out, samples, key, info, [start * info.row_bytes for start in starts])
+        read_into(out, rows, key, info, [start * info.row_bytes for start in starts])
         return out
 
     def _ragged_from_tensors(

@@ -685,9 +685,13 @@ class CacheDataset(Dataset):
         if isinstance(indices, torch.Tensor):
             indices = indices.tolist()
         out: list[Sample] = []
+        opened: dict[int, _OpenShard] = {}  # each shard looked up once per batch
         for index in indices:
             shard, local = self._split(index)
-            out.append(SampleView(self._open_shard(shard), local))
+            source = opened.get(shard)
+            if source is None:
+                source = opened[shard] = self._open_shard(shard)
+            out.append(SampleView(source, local))
         return out
 
     def _split(self, index: int) -> tuple[int, int]:
@@ -697,6 +701,8 @@ class CacheDataset(Dataset):
             TypeError: ``index`` is not an integer (``1.7`` is not sample 1).
             IndexError: out of range.
         """
+        if type(index) is int and 0 <= index < self.num_samples:  # the common case, once per sample read
+            return divmod(index, self.shard_size)
         try:
             i = operator.index(index)
         except TypeError:
@@ -729,8 +735,8 @@ class CacheDataset(Dataset):
         for shard, locals_ in by_shard.items():
             opened = self._open_shard(shard)
             wanted = []
-            for local in locals_:
-                for key, base in opened.long.items():
+            for key, base in opened.long.items():
+                for local in locals_:
                     start, end = opened.span(key, local)
                     if end - start >= _PREAD_BYTES and not _cached_prefix(opened, probe, base + start):
                         wanted.append((base + start, end - start))
@@ -847,71 +853,98 @@ def _complete_prefix(cache_dir: str, num_samples: int, shard_size: int) -> int:
 # reading samples of a batch straight from the shard files (the collators' fast path)
 
 
-def view_layouts(samples: Sequence[Mapping[str, torch.Tensor]]) -> tuple[dict[str, KeyLayout] | None, bool]:
-    """The key layouts of ``samples`` if all are :class:`SampleView` of alike shards, and whether all are as read."""
+class BatchRows:
+    """Where the samples of a batch of :class:`SampleView` objects of alike shards lie in their shards, gathered
+    in one pass for every key the batch reads (:func:`batch_rows`); each shard's file size is checked once here.
+
+    Attributes:
+        infos: the key layouts the samples' shards share.
+        untouched: whether every sample holds every key as read from its shard.
+        sources: each sample's open shard.
+        locals: each sample's index within its shard; ``nexts`` the one after it (a fixed key's rows).
+        starts, ends: each sample's rows of the ragged keys within its shard.
+    """
+
+    __slots__ = ("infos", "untouched", "sources", "locals", "nexts", "starts", "ends")
+
+    def __init__(self, samples: Sequence[SampleView], infos: dict[str, KeyLayout], untouched: bool) -> None:
+        self.infos = infos
+        self.untouched = untouched
+        self.sources = [s._shard for s in samples]
+        self.locals = [s._local for s in samples]
+        self.nexts = [local + 1 for local in self.locals]
+        self.starts = [source.row_offsets[local] for source, local in zip(self.sources, self.locals)]
+        self.ends = [source.row_offsets[local] for source, local in zip(self.sources, self.nexts)]
+        for source in {id(source): source for source in self.sources}.values():
+            source.check_size()  # before any read touches a mapping: a read past a file's end is SIGBUS
+
+    def counts(self) -> list[int]:
+        """Rows of each sample's ragged keys."""
+        return [end - start for start, end in zip(self.starts, self.ends)]
+
+
+def batch_rows(samples: Sequence[Mapping[str, torch.Tensor]]) -> BatchRows | None:
+    """The rows of ``samples`` in their shards if all are :class:`SampleView` of alike shards, else ``None``.
+
+    Raises:
+        CacheCorruptError: a shard file shrank since it was opened.
+    """
     first = samples[0] if samples else None
     if type(first) is not SampleView:
-        return None, False
+        return None
     infos = first._shard.infos
     untouched = True
     for s in samples:
         if type(s) is not SampleView or s._shard.infos is not infos:
-            return None, False
+            return None
         untouched = untouched and s._set is None and s._keys is s._shard.keys
-    return infos, untouched
+    return BatchRows(samples, infos, untouched)  # type: ignore[arg-type]
 
 
-def readable_layout(
-    samples: Sequence[Any], infos: dict[str, KeyLayout] | None, untouched: bool, key: str, ragged: bool
-) -> KeyLayout | None:
+def readable_layout(samples: Sequence[Any], rows: BatchRows | None, key: str, ragged: bool) -> KeyLayout | None:
     """``key``'s layout when every sample holds it as read from its shard, ``ragged`` as the collator treats it."""
-    info = infos.get(key) if infos is not None else None
+    info = rows.infos.get(key) if rows is not None else None
     if info is None or info.ragged != ragged:
         return None
-    return info if untouched or all(s._as_read(key) for s in samples) else None
+    return info if rows.untouched or all(s._as_read(key) for s in samples) else None  # type: ignore[union-attr]
 
 
-def row_counts(samples: Sequence[Any]) -> list[int]:
-    """Rows of each :class:`SampleView`'s ragged keys."""
-    counts = []
-    for s in samples:
-        offsets, local = s._shard.row_offsets, s._local
-        counts.append(offsets[local + 1] - offsets[local])
-    return counts
-
-
-def read_into(out: torch.Tensor, samples: Sequence[Any], key: str, info: KeyLayout, dst: Sequence[int]) -> None:
+def read_into(out: torch.Tensor, rows: BatchRows, key: str, info: KeyLayout, dst: Sequence[int]) -> None:
     """Copy each sample's rows of ``key`` into the bytes of ``out``, sample ``i`` from byte ``dst[i]``."""
     mv = bytes_view(out)
-    large: list[tuple[_OpenShard, int, int, int]] = []
-    encoded: list[tuple[Any, int]] = []
     row_bytes = info.row_bytes
-    checked: set[int] = set()
-    for s, d in zip(samples, dst):
-        source, local = s._shard, s._local
-        if id(source) not in checked:  # once per shard and batch: the mapping is touched only if the file is whole
-            source.check_size()
-            checked.add(id(source))
-        base = source.bases[key]
+    large: list[tuple[_OpenShard, int, int, int]] = []
+    encoded: list[tuple[_OpenShard, int, int]] = []
+    starts, ends = (rows.starts, rows.ends) if info.ragged else (rows.locals, rows.nexts)
+    previous = None
+    # This loop runs for every sample and key of every batch: one shard's lookups serve its run of samples.
+    for source, local, start, end, d in zip(rows.sources, rows.locals, starts, ends, dst):
+        if source is not previous:
+            previous, base, mapped = source, source.bases[key], source.mapped.get(key)
         if base is None:
-            encoded.append((s, d))
+            encoded.append((source, local, d))
             continue
-        # _OpenShard.span, inlined: this runs for every sample and key of a batch.
-        if info.ragged:
-            start, end = source.row_offsets[local] * row_bytes, source.row_offsets[local + 1] * row_bytes
-        else:
-            start = local * row_bytes
-            end = start + row_bytes
+        start *= row_bytes
+        end *= row_bytes
         if end - start >= _PREAD_BYTES:
-            if source.ahead is not None:  # announced and not read yet: the read-ahead thread is on its way to it
-                source.ahead.wait(source, base + start)
             large.append((source, base + start, end - start, d))
         elif end > start:  # an empty sample or zero-width rows copy nothing (and an empty view is read-only)
-            mv[d : d + end - start] = source.mapped[key][start:end]
+            mv[d : d + end - start] = mapped[start:end]
+    if large:
+        _read_large(mv, large)
+    if encoded:
+        decode_into(mv, encoded, key, info)
+
+
+def _read_large(mv: memoryview, large: list[tuple[_OpenShard, int, int, int]]) -> None:
+    """Read runs of ``(source, file offset, nbytes, destination)`` into ``mv`` with ``pread`` (not from the mapping:
+    pages a mapping touched stay mapped, and counted in the trainer's resident memory, while the shard is open)."""
     # What is cached is copied at once; the rest is announced as a whole, so the disk works on every miss
     # of the batch at the same time, and then read in order.
     missed: list[tuple[_OpenShard, int, int, int]] = []
     for source, offset, nbytes, d in large:
+        if source.ahead is not None:  # announced and not read yet: the read-ahead thread is on its way to it
+            source.ahead.wait(source, offset)
         got = _cached_prefix(source, mv[d : d + nbytes], offset)
         if got < nbytes:
             missed.append((source, offset + got, nbytes - got, d + got))
@@ -920,15 +953,14 @@ def read_into(out: torch.Tensor, samples: Sequence[Any], key: str, info: KeyLayo
         _announce(missed)
     for source, offset, nbytes, d in missed:
         _pread_into(source, mv[d : d + nbytes], offset)
-    if encoded:
-        decode_into(mv, encoded, key, info)
 
 
-def decode_into(mv: memoryview, members: list[tuple[Any, int]], key: str, info: KeyLayout) -> None:
-    """Decode encoded samples into ``mv``, a run of rows per shard when its samples lie close together."""
+def decode_into(mv: memoryview, members: list[tuple[_OpenShard, int, int]], key: str, info: KeyLayout) -> None:
+    """Decode ``(source, local, destination)`` samples into ``mv``, a run of rows per shard when its samples lie
+    close together."""
     groups: dict[int, tuple[_OpenShard, list[tuple[int, int]]]] = {}
-    for s, d in members:
-        groups.setdefault(id(s._shard), (s._shard, []))[1].append((s._local, d))
+    for source, local, d in members:
+        groups.setdefault(id(source), (source, []))[1].append((local, d))
     for source, locals_ in groups.values():
         locals_.sort()
         lo, hi = locals_[0][0], locals_[-1][0] + 1
