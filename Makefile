@@ -104,7 +104,8 @@ footprint: install
 # The crash, corruption and fuzz suites with many more kill points and examples, and a 131,072-token sample in
 # chunks (minutes, not seconds).
 soak: install
-	SPECCACHE_SOAK=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_crash.py tests/test_fuzz.py tests/test_concurrency.py tests/test_long_samples.py tests/test_prefill_chunk_parallel.py
+	SPECCACHE_SOAK=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_crash.py tests/test_fuzz.py tests/test_concurrency.py tests/test_long_samples.py tests/test_prefill_chunk_parallel.py \
+		tests/test_huge_samples.py
 
 clean:
 	rm -rf $(DEMO_OUT) $(DEMO_OUT)-real bench-out .pytest_cache
