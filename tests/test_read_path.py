@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from residency import HAS_SMAPS, mapped_resident_bytes  # tests/, beside this file
 from speccache.errors import CacheCorruptError
 from speccache.format import shard_path
 from speccache.read import CacheDataset, PackCollator, PadCollator, SampleView
@@ -162,6 +163,20 @@ def test_a_shard_truncated_after_opening_raises(tmp_path):
     os.truncate(shard_path(path, 0), os.path.getsize(shard_path(path, 0)) - 4096)
     with pytest.raises(CacheCorruptError, match="truncated"):
         PackCollator(["hidden"])(views)
+
+
+@pytest.mark.skipif(not HAS_SMAPS, reason="needs /proc/self/smaps")
+def test_long_runs_are_read_with_pread_and_leave_no_pages_mapped(tmp_path):
+    path = str(tmp_path / "c")
+    write_synthetic_cache(path, num_samples=8, shard_size=8, hidden=256, min_len=300, max_len=300, overlap=False)
+    shard = shard_path(path, 0)
+    with open(shard, "rb") as f:
+        f.read()  # cached: the reader would copy it from the mapping if it did so for long runs
+    ds = CacheDataset(path, keys=["hidden"])
+    batch = PackCollator(["hidden"])(ds.__getitems__([5, 0, 7, 2, 3, 6, 1, 4]))
+    assert batch["hidden"].shape == (8 * 300, 256)
+    # 8 samples of 150 KiB read; what stays mapped (the header's offsets, the kernel's fault-around) is less than one
+    assert mapped_resident_bytes(shard) < 300 * 256 * 2
 
 
 def test_uncached_reads_of_a_batch_are_announced_in_file_order_neighbours_as_one_range(tmp_path, monkeypatch):
