@@ -665,35 +665,6 @@ def test_batched_loader_batches_are_the_stacked_samples_and_the_callers_own(seed
     assert_samples_equal(ds[5], {k: samples[k][5] for k in KEYS})
 
 
-def test_collate_cached_copies_cached_long_samples_from_the_mapping(tmp_path, monkeypatch):
-    import speccache.read.dataset as dataset_module
-
-    g = torch.Generator().manual_seed(3)
-    samples = {
-        "input_ids": torch.randint(0, 1000, (6, 300), generator=g),
-        "hidden": torch.randn(6, 300, 256, generator=g).to(torch.bfloat16),  # 150 KiB a sample: long runs
-        "loss_mask": torch.rand(6, 300, generator=g) > 0.5,
-    }
-    write_seed_layout_cache(oc, str(tmp_path), samples, shard_size=3)
-    for i in range(2):
-        with open(oc.shard_path(str(tmp_path), i), "rb") as f:
-            f.read()  # in the page cache
-    ds = oc.CachedTensorDataset(str(tmp_path), "EAGLE-3", VERSION, ("hidden",))
-    views = ds.__getitems__([4, 0, 5, 2])
-    if not dataset_module._is_cached(views[0]._shard, views[0]._shard.size - 1):
-        pytest.skip("this file system does not tell what is cached (RWF_NOWAIT)")
-
-    def no_pread(*args):
-        raise AssertionError("a cached long sample was read with pread")
-
-    monkeypatch.setattr(dataset_module, "_pread_into", no_pread)
-    real = dataset_module._cached_prefix
-    monkeypatch.setattr(
-        dataset_module, "_cached_prefix", lambda s, dst, o: real(s, dst, o) if len(dst) == 1 else no_pread()
-    )
-    assert torch.equal(oc.collate_cached(views, ("hidden",))["hidden"], samples["hidden"][[4, 0, 5, 2]])
-
-
 def test_a_shard_truncated_under_the_dataset_raises_instead_of_sigbus(tmp_path):
     cache_dir = str(tmp_path)
     write_seed_layout_cache(oc, cache_dir, fixed_samples(6), shard_size=3)

@@ -367,10 +367,7 @@ def collate_cached(features: list[dict[str, torch.Tensor]], keys: tuple[str, ...
         else:
             shape = (len(features), *layout.shape)
             batch[key] = out = batch_tensor(shape, layout.dtype, pin=False, pool=_BATCH_MEMORY)
-            # Long samples from the mapping when cached, as the original reads them (its pages stay mapped too).
-            read_into(
-                out, rows, key, layout, range(0, len(features) * layout.row_bytes, layout.row_bytes), map_long=True
-            )
+            read_into(out, rows, key, layout, range(0, len(features) * layout.row_bytes, layout.row_bytes))
     return batch
 
 

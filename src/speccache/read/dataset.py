@@ -310,14 +310,6 @@ def _cached_prefix(source: _OpenShard, dst: memoryview, offset: int) -> int:
         return 0
 
 
-_PROBE = memoryview(bytearray(1))
-
-
-def _is_cached(source: _OpenShard, offset: int) -> bool:
-    """Whether byte ``offset`` of ``source``'s file is in the page cache (``False`` where that cannot be told)."""
-    return _cached_prefix(source, _PROBE, offset) == 1
-
-
 def _pread_into(source: _OpenShard, dst: memoryview, offset: int) -> None:
     done = 0
     while done < len(dst):
@@ -735,6 +727,7 @@ class CacheDataset(Dataset):
         that shard is open, so that the disk starts on the first shard while the
         others' headers are read.
         """
+        probe = memoryview(bytearray(1))
         by_shard: dict[int, list[int]] = {}  # in the order the indices first need the shards
         for index in indices:
             shard, local = self._split(index)
@@ -745,7 +738,7 @@ class CacheDataset(Dataset):
             for key, base in opened.long.items():
                 for local in locals_:
                     start, end = opened.span(key, local)
-                    if end - start >= _PREAD_BYTES and not _is_cached(opened, base + start):
+                    if end - start >= _PREAD_BYTES and not _cached_prefix(opened, probe, base + start):
                         wanted.append((base + start, end - start))
             if wanted:
                 wanted.sort()
@@ -916,15 +909,8 @@ def readable_layout(samples: Sequence[Any], rows: BatchRows | None, key: str, ra
     return info if rows.untouched or all(s._as_read(key) for s in samples) else None  # type: ignore[union-attr]
 
 
-def read_into(
-    out: torch.Tensor, rows: BatchRows, key: str, info: KeyLayout, dst: Sequence[int], map_long: bool = False
-) -> None:
-    """Copy each sample's rows of ``key`` into the bytes of ``out``, sample ``i`` from byte ``dst[i]``.
-
-    ``map_long`` copies the cached long runs from the mapping too, instead of with ``pread``: faster (a user-space
-    copy after one fault per 64 KiB to 2 MiB, against the kernel's copy), but their pages then stay mapped,
-    counted in the process's resident memory, while the shard is open (unmapping them again costs what was saved).
-    """
+def read_into(out: torch.Tensor, rows: BatchRows, key: str, info: KeyLayout, dst: Sequence[int]) -> None:
+    """Copy each sample's rows of ``key`` into the bytes of ``out``, sample ``i`` from byte ``dst[i]``."""
     mv = bytes_view(out)
     row_bytes = info.row_bytes
     large: list[tuple[_OpenShard, int, int, int]] = []
@@ -941,28 +927,24 @@ def read_into(
         start *= row_bytes
         end *= row_bytes
         if end - start >= _PREAD_BYTES:
-            large.append((source, base + start, end - start, d, mapped[start:end]))
+            large.append((source, base + start, end - start, d))
         elif end > start:  # an empty sample or zero-width rows copy nothing (and an empty view is read-only)
             mv[d : d + end - start] = mapped[start:end]
     if large:
-        _read_large(mv, large, map_long)
+        _read_large(mv, large)
     if encoded:
         decode_into(mv, encoded, key, info)
 
 
-def _read_large(mv: memoryview, large: list[tuple[_OpenShard, int, int, int, memoryview]], map_long: bool) -> None:
-    """Read runs of ``(source, file offset, nbytes, destination, the run in the mapping)`` into ``mv`` with ``pread``
-    (not from the mapping: pages a mapping touched stay mapped, and counted in the trainer's resident memory, while
-    the shard is open), or, with ``map_long``, those whose last byte is cached from the mapping."""
+def _read_large(mv: memoryview, large: list[tuple[_OpenShard, int, int, int]]) -> None:
+    """Read runs of ``(source, file offset, nbytes, destination)`` into ``mv`` with ``pread`` (not from the mapping:
+    pages a mapping touched stay mapped, and counted in the trainer's resident memory, while the shard is open)."""
     # What is cached is copied at once; the rest is announced as a whole, so the disk works on every miss
     # of the batch at the same time, and then read in order.
     missed: list[tuple[_OpenShard, int, int, int]] = []
-    for source, offset, nbytes, d, mapped in large:
+    for source, offset, nbytes, d in large:
         if source.ahead is not None:  # announced and not read yet: the read-ahead thread is on its way to it
             source.ahead.wait(source, offset)
-        if map_long and _is_cached(source, offset + nbytes - 1):
-            mv[d : d + nbytes] = mapped
-            continue
         got = _cached_prefix(source, mv[d : d + nbytes], offset)
         if got < nbytes:
             missed.append((source, offset + got, nbytes - got, d + got))
