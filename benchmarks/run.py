@@ -183,7 +183,7 @@ def _block_device(dev: int) -> str | None:
 def last_level_cache() -> str:
     """The size of cpu0's last-level cache as /sys gives it (e.g. ``32768K``), or ``unknown``."""
     sizes = sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"))
-    return _read(sizes[-1]).strip() if sizes else "unknown"
+    return _read(sizes[-1]) if sizes else "unknown"
 
 
 def load_average() -> str:
@@ -744,32 +744,15 @@ def bench_overlap(report: Report, work: str, scale: float, rounds: int, upstream
 # 3 and 4. shuffled batch reads
 
 
-def read_files(paths: Sequence[str], buf: mmap.mmap) -> int:
-    total = 0
+def read_files(paths: Sequence[str], *bufs: mmap.mmap | memoryview) -> int:
+    """Read ``paths`` whole into ``bufs``, a buffer's length at a time, one buffer after the other in turn (two:
+    as a loader fills a batch while its consumer still holds the one before)."""
+    total = k = 0
     for path in paths:
         with open(path, "rb", buffering=0) as f:
-            while True:
-                n = f.readinto(buf)
-                if not n:
-                    break
+            while n := f.readinto(bufs[k % len(bufs)]):
                 total += n
-    return total
-
-
-def read_alternating(paths: Sequence[str], bufs: Sequence[mmap.mmap], batch_bytes: int) -> int:
-    """Read ``paths`` whole, each ``batch_bytes`` into the next of ``bufs`` in turn (as a loader fills a batch
-    while its consumer still holds the one before)."""
-    views = [memoryview(b)[:batch_bytes] for b in bufs]
-    total = k = 0
-    try:
-        for path in paths:
-            with open(path, "rb", buffering=0) as f:
-                while n := f.readinto(views[k % len(views)]):
-                    total += n
-                    k += 1
-    finally:
-        for v in views:
-            v.release()
+                k += 1
     return total
 
 
@@ -865,9 +848,7 @@ def bench_reads(
         jobs: dict[str, Callable[[], float]] = {
             "plain warm": warm(native_files, lambda: timed(lambda: read_files(native_files, buf))),
             "plain cold": cold(native_files, lambda: timed(lambda: read_files(native_files, buf))),
-            "plain warm, two batch buffers": warm(
-                native_files, lambda: timed(lambda: read_alternating(native_files, pair, batch_bytes))
-            ),
+            "plain warm, two batch buffers": warm(native_files, lambda: timed(lambda: read_files(native_files, *pair))),
             "bare copies warm": warm(
                 native_files, functools.partial(bare_copies, native_dir, orders["locality"], kind.batch)
             ),
