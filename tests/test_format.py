@@ -27,6 +27,7 @@ from speccache.format import (
     OFFSETS_KEY,
     KeySpec,
     ShardFile,
+    bytes_view,
     file_checksum,
     manifest_path,
     shard_path,
@@ -280,6 +281,7 @@ def test_tensors_written_by_safetensors_save_file_are_readable_by_shard_file(tmp
     assert set(f.keys()) == set(tensors)
     for name, t in tensors.items():
         assert_same(f.tensor(name), t, name)
+        assert bytes(f.tensor_bytes(name)) == bytes(bytes_view(t.contiguous())), name  # the raw-read path's view
 
 
 def test_shard_file_reads_an_unaligned_safetensors_file(tmp_path):

@@ -11,8 +11,10 @@ index, counts and per-tensor checksums (:func:`shard_metadata`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
+import operator
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -23,7 +25,7 @@ from speccache.format.durable import tensor_checksum
 from speccache.format.encoding import get_encoding, part_name
 from speccache.format.names import FORMAT_VERSION, LENGTHS_KEY, OFFSETS_KEY, STAT_PREFIX
 from speccache.format.safetensors_file import ShardFile, WrittenFile, write_safetensors
-from speccache.format.schema import Schema
+from speccache.format.schema import KeySpec, Schema
 
 SHARD_META_FORMAT = "speccache_format"
 SHARD_META_INDEX = "shard_index"
@@ -82,12 +84,18 @@ def sample_stats(samples: Mapping[str, torch.Tensor]) -> dict[str, list[Any]]:
     return stats
 
 
-def expected_parts(schema: Schema) -> set[str]:
+def expected_parts(schema: Schema) -> frozenset[str]:
     """Names of every tensor a native shard of ``schema`` holds (offsets included when any key is ragged)."""
-    names = {OFFSETS_KEY} if any(s.ragged for s in schema.values()) else set()
-    for spec in schema.values():
+    return _expected_parts(tuple(schema.values()))
+
+
+@functools.lru_cache(maxsize=64)
+def _expected_parts(specs: tuple[KeySpec, ...]) -> frozenset[str]:
+    # Cached: every shard a reader opens asks again for the same schema.
+    names = {OFFSETS_KEY} if any(s.ragged for s in specs) else set()
+    for spec in specs:
         names.update(part_name(spec.name, sfx) for sfx in get_encoding(spec.encoding).parts(spec.dtype, spec.shape))
-    return names
+    return frozenset(names)
 
 
 def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
@@ -237,6 +245,7 @@ class NativeShard:
             self.fixed_offsets = torch.arange(self.num_samples + 1, dtype=torch.int64)
             # a copy (n + 1 integers): no tensor of a refused shard may keep its mapping (and descriptor) alive
             self.offsets = self.file.tensor(OFFSETS_KEY).clone() if OFFSETS_KEY in have else self.fixed_offsets
+            self.row_offsets: list[int] = self.offsets.tolist()
             self._check_structure()
             if expected_bytes is not None and self.file.size != expected_bytes:
                 raise CacheCorruptError(
@@ -247,7 +256,6 @@ class NativeShard:
         except BaseException:
             self.file.close()  # a refused shard keeps no descriptor while its exception lives
             raise
-        self.row_offsets: list[int] = self.offsets.tolist()
         self.parts = {
             name: {sfx: self.file.tensor(part_name(name, sfx)) for sfx in _suffixes(have, name)} for name in schema
         }
@@ -304,13 +312,13 @@ class NativeShard:
             )
 
     def _check_structure(self) -> None:
-        offsets = self.offsets
-        if offsets.dtype != torch.int64 or offsets.shape != (self.num_samples + 1,):
+        offsets = self.row_offsets  # checked as Python ints: a shard is opened once per reader, often per epoch
+        if self.offsets.dtype != torch.int64 or self.offsets.shape != (self.num_samples + 1,):
             raise CacheCorruptError(f"{self.path}: {OFFSETS_KEY} must be int64 [{self.num_samples + 1}]")
-        if self.num_samples and (int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any())):
+        if self.num_samples and (offsets[0] != 0 or not all(map(operator.le, offsets, offsets[1:]))):
             raise CacheCorruptError(f"{self.path}: {OFFSETS_KEY} are not non-decreasing from 0 (damaged shard)")
         for name, spec in self.schema.items():
-            rows = int(offsets[-1]) if spec.ragged else self.num_samples
+            rows = offsets[-1] if spec.ragged else self.num_samples
             for suffix, layout in get_encoding(spec.encoding).parts(spec.dtype, spec.shape).items():
                 part = part_name(name, suffix)
                 found_dtype, shape, _, _ = self.file.entries[part]

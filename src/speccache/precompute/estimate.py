@@ -224,7 +224,7 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
         ties_embeddings(plan.model_config),
     )
     tokens = sum(lengths)
-    itemsize = torch.empty((), dtype=DTYPES[cfg.dtype]).element_size()
+    itemsize = DTYPES[cfg.dtype].itemsize
     return {
         "model": cfg.model,
         "data": cfg.data,

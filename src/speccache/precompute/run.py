@@ -644,7 +644,7 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
             comm.max_int(0)  # returns once every writer has sealed the cache
             return Manifest.read(cfg.out)
 
-        itemsize = torch.empty((), dtype=DTYPES[cfg.dtype]).element_size()
+        itemsize = DTYPES[cfg.dtype].itemsize
         started = time.monotonic()
         side_file = SideFile(
             plan.side_file,

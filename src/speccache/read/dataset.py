@@ -96,10 +96,10 @@ class _OpenShard:
         self.bases: dict[str, int | None] = {k: None for k in keys}
         """File offset of each raw key's first row; ``None`` for an encoded key (decoded through the shard)."""
         self.bases.update({k: shard.file.data_start + entries[k][2] for k in raw})
-        self.mapped = {k: bytes_view(shard.file.tensor(k)) for k in raw}
+        self.mapped = {k: shard.file.tensor_bytes(k) for k in raw}
         """The bytes of each raw key in the shard's mapping."""
         self.row_offsets: list[int] = shard.row_offsets
-        most = max((b - a for a, b in zip(self.row_offsets, self.row_offsets[1:])), default=0)
+        most = max(map(operator.sub, self.row_offsets[1:], self.row_offsets), default=0)
         self.long = {
             k: shard.file.data_start + entries[k][2]
             for k in raw
