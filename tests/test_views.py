@@ -18,7 +18,8 @@ from speccache.cli import main
 from speccache.errors import CacheCorruptError, CacheFormatError
 from speccache.format import LENGTHS_KEY, STAT_PREFIX, KeySpec, shard_path
 from speccache.format.view import VIEW_NAME, is_view
-from speccache.read import CacheDataset
+from speccache.read import CacheDataset, PackCollator, PadCollator
+from speccache.read.dataset import batch_rows
 from speccache.read.sampler import LocalityShuffleSampler
 from speccache.read.view import ViewDataset, make_merge_view, make_subset_view, parse_where
 from speccache.testing.synthetic import write_synthetic_cache
@@ -86,6 +87,22 @@ def test_merge_reads_the_concatenation_tensor_for_tensor(two):
     )
     body = json.loads((tmp / "v" / VIEW_NAME).read_text())
     assert [s["path"] for s in body["sources"]] == ["../a", "../b"]  # relative: the tree can move as a whole
+
+
+def test_a_batch_mixing_sources_is_read_straight_from_their_files(two):
+    """The sources' shards share one key layout, so a batch drawn from both goes the collators' one-pass path
+    (each sample's bytes copied from its shard file), and equals the batch of a directly written cache."""
+    tmp, a, b = two
+    write_samples(str(tmp / "direct"), a + b, {"model": "m", "data": "ab.jsonl"})
+    make_merge_view([str(tmp / "a"), str(tmp / "b")], str(tmp / "v"))
+    view, direct = ViewDataset(str(tmp / "v")), CacheDataset(str(tmp / "direct"))
+    order = [12, 3, 16, 0, 9, 10]  # both sources, interleaved
+    samples = view.__getitems__(order)
+    assert batch_rows(samples) is not None
+    ragged = list(SCHEMA)
+    for collate in (PackCollator(ragged), PadCollator(ragged, pad_values={"loss_mask": False})):
+        got, want = collate(samples), collate(direct.__getitems__(order))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_subset_reads_exactly_the_selected_samples(two, capsys):

@@ -265,7 +265,6 @@ class CachedTensorDataset(Dataset):
         )
         self._shard_indices = validate_contiguous_shards(cache_dir, cache_name, self.num_samples, self.shard_size)
         self._open_handles: OrderedDict[int, _ShardHandle] = OrderedDict()
-        self._layouts: dict[Any, Any] = {}
 
     def __len__(self) -> int:
         return self.num_samples
@@ -285,7 +284,7 @@ class CachedTensorDataset(Dataset):
             )
             path = shard_path(self.cache_dir, shard_index)
             expected = shard_samples(shard_index, self.num_samples, self.shard_size)
-            samples = open_stacked_file(path, self._disk_keys, expected, self._layouts)
+            samples = open_stacked_file(path, self._disk_keys, expected)
             handle = self._open_handles[shard_index] = _ShardHandle(opened, samples)
             if len(self._open_handles) > self.max_open_shards:
                 self._open_handles.popitem(last=False)

@@ -69,6 +69,15 @@ def _key_layout(dtype: torch.dtype, shape: tuple[int, ...], ragged: bool) -> Key
     return KeyLayout(dtype, tuple(shape), ragged, math.prod(shape) * dtype.itemsize)
 
 
+_LAYOUTS: dict[tuple[tuple[str, KeyLayout], ...], dict[str, KeyLayout]] = {}
+
+
+def _shared(infos: dict[str, KeyLayout]) -> dict[str, KeyLayout]:
+    """The one dict of this process for layouts equal to ``infos``: shards of alike layouts (of any reader, a
+    view's sources too) share it, so that a collator checks a batch with one identity test per sample."""
+    return _LAYOUTS.setdefault(tuple(infos.items()), infos)
+
+
 class _OpenShard:
     """A shard opened by a :class:`CacheDataset` (or by :func:`open_stacked_file`): its decoder plus what reading
     raw rows from the file needs."""
@@ -153,22 +162,19 @@ class _StackedFile:
         return self.file.tensor(key)[start:end]
 
 
-def open_stacked_file(
-    path: str, keys: Sequence[str], num_samples: int, layouts: dict[Any, dict[str, KeyLayout]]
-) -> _OpenShard:
+def open_stacked_file(path: str, keys: Sequence[str], num_samples: int) -> _OpenShard:
     """``path``, whose tensors ``keys`` each hold ``num_samples`` stacked samples, opened for :class:`SampleView` reads.
 
     ``SampleView(opened, i)`` is then sample ``i``, which the collators and :func:`read_into` read straight
-    from the file. Files of one layout share their entry of ``layouts`` (a dict the caller keeps), so that
-    a batch of their samples is recognised as alike. The caller checks the file's keys and sample counts.
+    from the file; a batch of samples of files of one layout is read as one. The caller checks the file's keys
+    and sample counts.
 
     Raises:
         CacheCorruptError: the header does not match the file (truncated or damaged).
     """
     stacked = _StackedFile(path, num_samples)
     entries = stacked.file.entries
-    infos = {k: _key_layout(entries[k][0], entries[k][1][1:], False) for k in keys}
-    infos = layouts.setdefault(tuple(infos.items()), infos)
+    infos = _shared({k: _key_layout(entries[k][0], entries[k][1][1:], False) for k in keys})
     return _OpenShard(stacked, tuple(keys), infos, keys)  # type: ignore[arg-type]
 
 
@@ -556,7 +562,8 @@ class CacheDataset(Dataset):
         self._open: OrderedDict[int, _OpenShard] = OrderedDict()
         self._verified: set[int] = set()
         self._ahead: _ReadAhead | None = None
-        self._infos: dict[tuple[tuple[str, KeyLayout], ...], dict[str, KeyLayout]] = {}
+        self._layout: tuple[dict[str, KeyLayout], list[str]] | None = None
+        """The shards' key layouts and raw keys (one schema: computed once; per process, see ``_shared``)."""
 
     def _stored_keys(self, keys: list[str]) -> list[str]:
         """The stored keys to read for the keys a caller asked for (a subclass adds what its derived fields need).
@@ -584,6 +591,7 @@ class CacheDataset(Dataset):
         state["_open"] = OrderedDict()
         state["_verified"] = set()  # another process verifies for itself
         state["_ahead"] = None  # and reads ahead for itself
+        state["_layout"] = None  # and shares layouts with its own other readers
         return state
 
     def _read_ahead(self) -> _ReadAhead:
@@ -670,11 +678,10 @@ class CacheDataset(Dataset):
         self.manifest, self._manifest_stat = found, current
 
     def _wrap(self, shard: NativeShard) -> _OpenShard:
-        infos = {k: _key_layout(s.dtype, s.shape, s.ragged) for k, s in self.schema.items()}
-        raw = [k for k in self.keys if get_encoding(self.schema[k].encoding).zero_copy]
-        # Shards with the same layout share one dict, so a collator checks a batch with one identity test per sample.
-        infos = self._infos.setdefault(tuple(infos.items()), infos)
-        return _OpenShard(shard, self.keys, infos, raw, self._read_ahead())
+        if self._layout is None:
+            infos = _shared({k: _key_layout(s.dtype, s.shape, s.ragged) for k, s in self.schema.items()})
+            self._layout = infos, [k for k in self.keys if get_encoding(self.schema[k].encoding).zero_copy]
+        return _OpenShard(shard, self.keys, *self._layout, self._read_ahead())
 
     def __getitem__(self, index: int) -> Sample:
         """One sample as a plain dict of tensors the caller owns (what ``__getitems__`` returns for it)."""
