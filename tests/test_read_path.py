@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import pickle
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -224,6 +226,40 @@ def test_prefetched_samples_are_read_ahead_in_file_order(tmp_path, monkeypatch):
         (first.path, start + 5 * sample, sample),
     ]
     assert PackCollator(["hidden"])(ds.__getitems__([13, 5]))["hidden"].shape == (600, 256)
+
+
+@pytest.mark.parametrize(
+    "indices",
+    [(13, 5, 2, 9, 3), range(13, 1, -4), np.array([13, 5, 2, 9, 3]), [-3, 5, 2, -7, 3], [True, 13], "iterator"],
+)
+def test_prefetch_groups_any_indices_as_the_reader_reads_them(tmp_path, monkeypatch, indices):
+    # A sampler's window of ints is grouped with array operations; other indices one by one: the same reads.
+    import speccache.read.dataset as dataset_module
+
+    path = str(tmp_path / "c")
+    _sequential_cache(path)
+    monkeypatch.setattr(dataset_module, "_NOWAIT", [0])  # nothing counts as cached
+    submitted: list[list[tuple[int, int, int]]] = []
+    monkeypatch.setattr(
+        dataset_module._ReadAhead,
+        "submit",
+        lambda self, ranges: submitted.append([(r[0].path, r[1], r[2]) for r in ranges]),
+    )
+    given = iter([13, 5, 2, 9, 3]) if isinstance(indices, str) else indices
+    wanted = [operator.index(i) % 16 for i in ([13, 5, 2, 9, 3] if isinstance(indices, str) else indices)]
+    CacheDataset(path, keys=["hidden"]).prefetch(given)
+    got, submitted[:] = list(submitted), []
+    ds = CacheDataset(path, keys=["hidden"])
+    for i in dict.fromkeys(wanted):  # one at a time, in the order the shards are first needed
+        ds.prefetch([i])
+    by_shard: dict[str, list[tuple[str, int, int]]] = {}
+    for ranges in submitted:
+        by_shard.setdefault(ranges[0][0], []).extend(ranges)
+    assert got == [sorted(r) for r in by_shard.values()]
+    with pytest.raises(TypeError, match="integers"):
+        ds.prefetch([1.5])
+    with pytest.raises(IndexError, match="out of range"):
+        ds.prefetch([3, 16])
 
 
 def test_each_shards_reads_are_queued_before_the_next_shard_is_opened(tmp_path, monkeypatch):
