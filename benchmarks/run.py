@@ -75,6 +75,7 @@ from docsection import replace_section  # benchmarks/, beside this script
 from speccache.format import LENGTHS_KEY, shard_path
 from speccache.read import CacheDataset, PackCollator, PadCollator
 from speccache.read.sampler import LocalityShuffleSampler
+from speccache.read.view import make_merge_view
 from speccache.testing.synthetic import synthetic_schema
 from speccache.write import CacheWriter, compute_shard_runs
 
@@ -318,6 +319,19 @@ def write_native_cache(cache_dir: str, kind: Kind, pool: Pool) -> None:
         for index in run.shards:
             a = index * kind.shard_size
             run.write_shard(cache_dir, index, native_shard(lengths[a : a + kind.shard_size], a, pool))
+
+
+def merged_view(work: str, kind: Kind, native_dir: str) -> tuple[str, list[str]]:
+    """A view merging the cache at ``native_dir`` with a second cache of ``kind`` (other rows), and the shard files
+    of both (reused when a previous run left them)."""
+    other = os.path.join(work, f"read-{kind.name}-b")
+    pool = Pool(kind.hidden, max(8192, kind.shard_size * kind.max_len * 2), seed=4)
+    write_native_cache(other, kind, pool)
+    del pool
+    view_dir = os.path.join(work, f"read-{kind.name}-view")
+    shutil.rmtree(view_dir, ignore_errors=True)  # its sources' identities change when they are rewritten
+    make_merge_view([native_dir, other], view_dir)
+    return view_dir, shard_paths(native_dir) + shard_paths(other)
 
 
 def _sealed(cache_dir: str, config: dict[str, Any]) -> bool:
@@ -877,6 +891,13 @@ def bench_reads(
 
                 jobs[f"seed {order_name} warm"] = warm(seed_files, theirs)
                 jobs[f"seed {order_name} cold"] = cold(every, theirs)
+        if kind is kinds[-1]:  # a view's reads, on the cheaper kind: a merge of this cache and one more like it
+            view_dir, view_files = merged_view(work, kind, native_dir)
+            jobs["plain warm, both caches"] = warm(view_files, lambda: timed(lambda: read_files(view_files, buf)))
+            view_order = np.random.default_rng(0).permutation(2 * kind.num_samples).tolist()
+            jobs["ours-pack view random warm"] = warm(
+                view_files, lambda: epoch(CacheDataset(view_dir), view_order, kind.batch, collators["pack"])
+            )
         runs = paired_rounds(rounds, jobs)
         seed_bytes = sum(os.path.getsize(p) for p in seed_files)
         label = (
@@ -956,6 +977,20 @@ def bench_reads(
                         report.target(
                             f"small {state} reads ({order_name} order) >= 3x the seed reader", f"{r4:.2f}x", met4, why
                         )
+        if "ours-pack view random warm" in runs.times:
+            rows3.append(
+                [
+                    f"{kind.name}, a view merging two such caches ({2 * kind.num_samples} samples)",
+                    "random",
+                    "warm",
+                    f"{runs['ours-pack view random warm']:.2f}",
+                    f"{runs['plain warm, both caches']:.2f}",
+                    f"{runs.ratio('plain warm, both caches', 'ours-pack view random warm'):.2f}x",
+                    runs.spread("plain warm, both caches", "ours-pack view random warm"),
+                    "",
+                    "",
+                ]
+            )
         sizes.append(
             f"{kind.name} {nbytes / 1e6:.0f} MB"
             + (f" ({seed_bytes / 1e6:.0f} MB in the seed's layout)" if seed_bytes else "")
@@ -977,7 +1012,9 @@ def bench_reads(
         "page cache; cold, sequentially after dropping it. "
         f"{rounds} rounds, every job once per round in a new shuffled order: the times are each job's median, "
         "the ratio is the median of the rounds' baseline time / speccache time (1.00x: as fast as the plain "
-        "read), and 'rounds' gives the smallest and largest of those per-round ratios."
+        "read), and 'rounds' gives the smallest and largest of those per-round ratios. The last row reads a view "
+        "(`speccache merge`) of the small cache and a second cache like it, in a uniform random order (a batch "
+        "mixes both sources), against the plain read of both caches' files."
     )
     report.add()
     report.table(["samples", "order", "cache", "speccache s", "plain s", "ratio", "rounds", "target", ""], rows3)
