@@ -256,8 +256,9 @@ def test_prefetch_groups_any_indices_as_the_reader_reads_them(tmp_path, monkeypa
     for ranges in submitted:
         by_shard.setdefault(ranges[0][0], []).extend(ranges)
     assert got == [sorted(r) for r in by_shard.values()]
-    with pytest.raises(TypeError, match="integers"):
-        ds.prefetch([1.5])
+    for bad in ([1.5], [[1, 2], [3]]):
+        with pytest.raises(TypeError, match="integers"):
+            ds.prefetch(bad)
     with pytest.raises(IndexError, match="out of range"):
         ds.prefetch([3, 16])
 

@@ -25,7 +25,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -736,12 +736,11 @@ class CacheDataset(Dataset):
         others' headers are read.
         """
         probe = memoryview(bytearray(1))
-        shards, samples_of = self._by_shard(indices)
-        for shard in shards:
+        for shard, locals_ in self._by_shard(indices).items():
             opened = self._open_shard(shard)
             wanted = []
             for key, base in opened.long.items():
-                for local in samples_of(shard):
+                for local in locals_:
                     start, end = opened.span(key, local)
                     if end - start >= _PREAD_BYTES and not _cached_prefix(opened, probe, base + start):
                         wanted.append((base + start, end - start))
@@ -749,25 +748,30 @@ class CacheDataset(Dataset):
                 wanted.sort()
                 self._read_ahead().submit((opened, offset, nbytes) for offset, nbytes in wanted)
 
-    def _by_shard(self, indices: Iterable[int]) -> tuple[list[int], Callable[[int], list[int]]]:
-        """The shards ``indices`` need, in the order they first need them, and a function giving the samples (within
-        the shard) they need of one of those shards. A window of a sampler's indices is grouped with array
-        operations; anything but in-range integers goes through :meth:`_split`, which refuses what it must.
+    def _by_shard(self, indices: Iterable[int]) -> dict[int, list[int]]:
+        """The samples (within their shard) that ``indices`` need of each shard, the shards in the order first needed.
+
+        A sampler's window of in-range integers is grouped with array operations; any other indices go one by one
+        through :meth:`_split`, which refuses what it must.
         """
-        idx = np.asarray(indices if isinstance(indices, (list, tuple, np.ndarray)) else list(indices))
+        items = indices if isinstance(indices, (list, tuple, np.ndarray)) else list(indices)
+        try:
+            idx = np.asarray(items)
+        except ValueError:  # ragged nesting: not indices, as _split says
+            idx = np.empty(0, dtype=object)
         if (
             idx.ndim == 1
             and idx.dtype.kind in "iu"
             and (not idx.size or 0 <= idx.min() <= idx.max() < self.num_samples)
         ):
-            of = idx // self.shard_size
+            of, local = np.divmod(idx, self.shard_size)
             shards, first = np.unique(of, return_index=True)
-            return shards[np.argsort(first)].tolist(), lambda shard: (idx[of == shard] % self.shard_size).tolist()
+            return {shard: local[of == shard].tolist() for shard in shards[np.argsort(first)].tolist()}
         by_shard: dict[int, list[int]] = {}
-        for index in idx.tolist() if idx.ndim == 1 else indices:
+        for index in items:
             shard, local = self._split(index)
             by_shard.setdefault(shard, []).append(local)
-        return list(by_shard), by_shard.__getitem__
+        return by_shard
 
     def sample_length(self, index: int) -> int:
         """Rows of sample ``index``'s ragged keys (1 when no key is ragged); reads only its shard's offsets."""
