@@ -891,7 +891,7 @@ def bench_reads(
 
                 jobs[f"seed {order_name} warm"] = warm(seed_files, theirs)
                 jobs[f"seed {order_name} cold"] = cold(every, theirs)
-        if kind is kinds[-1]:  # a view's reads, on the cheaper kind: a merge of this cache and one more like it
+        if kind.name == SMALL.name:  # a view's reads, on the cheaper kind: this cache merged with one more like it
             view_dir, view_files = merged_view(work, kind, native_dir)
             jobs["plain warm, both caches"] = warm(view_files, lambda: timed(lambda: read_files(view_files, buf)))
             view_order = np.random.default_rng(0).permutation(2 * kind.num_samples).tolist()
