@@ -29,7 +29,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q --no-deps "$(REAL_TARGET)"
-	$(PIP) install -q -e ".[test,demo]"
+	$(PIP) install -q -e ".[test,demo,plots]"
 	# The peers' readers, for the interop tests: their own pins (transformers, datasets) would replace ours, and
 	# the modules the tests import need none of what they pin.
 	$(PIP) install -q --no-deps $(PEERS)
