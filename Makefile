@@ -29,7 +29,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q --no-deps "$(REAL_TARGET)"
-	$(PIP) install -q -e ".[test,demo]"
+	$(PIP) install -q -e ".[test,demo,plots]"
 	# The peers' readers, for the interop tests: their own pins (transformers, datasets) would replace ours, and
 	# the modules the tests import need none of what they pin.
 	$(PIP) install -q --no-deps $(PEERS)
@@ -102,10 +102,11 @@ footprint: install
 	$(PY) benchmarks/interop_footprint.py --out docs/footprint_interop.md
 
 # The crash, corruption and fuzz suites with many more kill points and examples, and a 131,072-token sample in
-# chunks and a 3.9 GB sample (minutes, not seconds).
+# chunks and a 3.9 GB sample, and the README's own-data recipe run as written on the real target (minutes, not
+# seconds).
 soak: install
 	SPECCACHE_SOAK=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_crash.py tests/test_fuzz.py tests/test_concurrency.py tests/test_long_samples.py tests/test_prefill_chunk_parallel.py \
-		tests/test_huge_samples.py
+		tests/test_huge_samples.py tests/test_readme_recipe.py
 
 clean:
 	rm -rf $(DEMO_OUT) $(DEMO_OUT)-real bench-out .pytest_cache

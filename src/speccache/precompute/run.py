@@ -436,7 +436,7 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
         reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(stats.skipped.items())) or "none skipped"
         raise DataError(
             f"--data {cfg.data}: no usable row ({stats.rows_read} read; skipped: {reasons}). "
-            "Check the file's format (see the README)."
+            'Check the file\'s format (docs/data.md, "Row forms").'
         )
     manifest_config = {
         "method": cfg.method,
