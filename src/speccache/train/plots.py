@@ -14,12 +14,12 @@ from typing import Any
 
 from speccache.format.durable import atomic_write
 
-__all__ = ["PLOTS_EXTRA", "acceptance_chart", "chart_path", "loss_curve", "not_drawn"]
+__all__ = ["LABELS", "PLOTS_EXTRA", "acceptance_chart", "chart_path", "loss_curve", "not_drawn"]
 
 PLOTS_EXTRA = "pip install 'speccache[plots]'"
 """How to get matplotlib: the extra that brings it."""
 
-# what each proposer is called in the pictures, in the order they are drawn
+# what each proposer is called in the pictures and the demo's lines, in the order they are drawn
 LABELS = {"draft": "EAGLE-3 draft", "ngram": "n-gram table", "prompt_lookup": "prompt lookup"}
 
 
