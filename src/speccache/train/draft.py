@@ -39,6 +39,9 @@ __all__ = ["DraftConfig", "Eagle3Draft", "check_new_draft_dir", "draft_record", 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+# written beside the draft by speccache train: one JSON line per optimizer step, and its picture
+TRAIN_LOG = "train_log.jsonl"
+LOSS_CURVE = "loss.png"
 
 
 @dataclass

@@ -15,12 +15,15 @@ zero at the last step; gradients are clipped to norm 1.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import json
 import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
@@ -38,14 +41,17 @@ from speccache.methods.eagle3 import (
 )
 from speccache.read.follow import Follow
 from speccache.read.source import open_source, reader_sampler
-from speccache.train.draft import DraftConfig, Eagle3Draft, check_new_draft_dir, save_draft
+from speccache.train.draft import LOSS_CURVE, TRAIN_LOG, DraftConfig, Eagle3Draft, check_new_draft_dir, save_draft
+from speccache.train.plots import loss_curve, not_drawn
 
 __all__ = [
     "COMPUTE_DTYPES",
     "LengthGroupedSampler",
+    "StepRecord",
     "TrainResult",
     "draft_for_cache",
     "draft_loss",
+    "graded_loss",
     "lr_factor",
     "make_optimizer",
     "train",
@@ -124,6 +130,35 @@ COMPUTE_DTYPES = ("fp32", "bf16")
 MAX_GRAD_NORM = 1.0
 
 
+def graded_loss(
+    draft: Eagle3Draft,
+    batch: Mapping[str, torch.Tensor],
+    head: TargetHead,
+    steps: int,
+    step_decay: float = 1.0,
+    supervise: str = "generated",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`draft_loss` and each training-time-test step's top-1 accuracy ``[steps]`` (detached): the share of
+    the step's counted slots where the draft's argmax is the target distribution's."""
+    if supervise == "all":
+        batch = {**batch, "loss_mask": batch["attention_mask"]}
+    view = draft_view(batch, head)
+    slots = torch.arange(view["mask"].shape[1], device=view["mask"].device)
+    losses, accuracy = [], []
+    for a, states in enumerate(draft.states(view["hidden"].float(), view["input_ids"], steps)):
+        mask = view["mask"] & (slots >= a)
+        # the head runs on the counted slots only: prompts and padding (a quarter to a half of chat data) are not
+        logits = draft.logits(states[mask])
+        target = view["target"][mask]
+        per_slot = -(target.float() * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+        counted = mask.sum().clamp_min(1)
+        losses.append(per_slot.sum() / counted)
+        with torch.no_grad():
+            accuracy.append((logits.argmax(-1) == target.argmax(-1)).sum() / counted)
+    weights = step_decay ** torch.arange(len(losses), dtype=torch.float32, device=losses[0].device)
+    return (torch.stack(losses) * weights).sum() / weights.sum(), torch.stack(accuracy)
+
+
 def draft_loss(
     draft: Eagle3Draft,
     batch: Mapping[str, torch.Tensor],
@@ -138,19 +173,18 @@ def draft_loss(
     step's mean over its counted slots, step ``a`` weighted by ``step_decay ** a``. With ``supervise="all"`` the
     mask counts every real row (``attention_mask``) instead of the generated ones (``loss_mask``).
     """
-    if supervise == "all":
-        batch = {**batch, "loss_mask": batch["attention_mask"]}
-    view = draft_view(batch, head)
-    slots = torch.arange(view["mask"].shape[1], device=view["mask"].device)
-    losses = []
-    for a, states in enumerate(draft.states(view["hidden"].float(), view["input_ids"], steps)):
-        mask = view["mask"] & (slots >= a)
-        # the head runs on the counted slots only: prompts and padding (a quarter to a half of chat data) are not
-        logits = draft.logits(states[mask])
-        per_slot = -(view["target"][mask].float() * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
-        losses.append(per_slot.sum() / mask.sum().clamp_min(1))
-    weights = step_decay ** torch.arange(len(losses), dtype=torch.float32, device=losses[0].device)
-    return (torch.stack(losses) * weights).sum() / weights.sum()
+    return graded_loss(draft, batch, head, steps, step_decay, supervise)[0]
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step of :func:`train_steps`: its loss, the learning rate it used, the batch's real tokens
+    and each training-time-test step's top-1 accuracy (see :func:`graded_loss`)."""
+
+    loss: float
+    lr: float
+    tokens: int
+    accuracy: list[float]
 
 
 def train_steps(
@@ -159,21 +193,22 @@ def train_steps(
     head: TargetHead,
     optimizer: torch.optim.Optimizer,
     steps: int = 1,
-    on_step: Callable[[int, float], None] | None = None,
+    on_step: Callable[[int, StepRecord], None] | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     step_decay: float = 1.0,
     supervise: str = "generated",
     compute_dtype: torch.dtype = torch.float32,
 ) -> list[float]:
-    """One optimizer step per batch (then one ``scheduler`` step); returns the losses (``on_step(i, loss)`` after
-    each). A ``compute_dtype`` other than fp32 runs the forward under autocast (the weights, their gradients and
-    the optimizer stay fp32; the loss is taken in fp32)."""
+    """One optimizer step per batch (then one ``scheduler`` step); returns the losses (``on_step(i, record)`` after
+    each, with its :class:`StepRecord`). A ``compute_dtype`` other than fp32 runs the forward under autocast (the
+    weights, their gradients and the optimizer stay fp32; the loss is taken in fp32)."""
     draft.train()
     device_type = next(draft.parameters()).device.type
     losses = []
     for i, batch in enumerate(batches):
         with torch.autocast(device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
-            loss = draft_loss(draft, batch, head, steps, step_decay, supervise)
+            loss, accuracy = graded_loss(draft, batch, head, steps, step_decay, supervise)
+        lr = optimizer.param_groups[0]["lr"]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), MAX_GRAD_NORM)
@@ -182,7 +217,8 @@ def train_steps(
             scheduler.step()
         losses.append(float(loss.detach()))
         if on_step is not None:
-            on_step(i, losses[-1])
+            tokens = int(batch["attention_mask"].sum())
+            on_step(i, StepRecord(losses[-1], lr, tokens, accuracy.tolist()))
     return losses
 
 
@@ -228,7 +264,9 @@ def train(
     follow: Follow | None = None,
     log: Callable[[str], None] | None = None,
 ) -> TrainResult:
-    """Train a fresh draft on ``cache_dir`` and save it to ``out`` (see :mod:`speccache.train.draft`).
+    """Train a fresh draft on ``cache_dir`` and save it to ``out`` (see :mod:`speccache.train.draft`), with its
+    training log (``train_log.jsonl``: one JSON line per optimizer step, written as it trains) and loss curve
+    (``loss.png``, when matplotlib is installed) beside it.
 
     ``warmup`` is the share of the steps the learning rate warms up over before its cosine decay, ``step_decay``
     the weight ratio of consecutive training-time-test steps in the loss, ``supervise`` which rows the loss grades
@@ -281,23 +319,36 @@ def train(
     total = epochs * len(loader) if max_steps is None else min(max_steps, epochs * len(loader))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, warmup))
     losses: list[float] = []
+    records: list[dict[str, Any]] = []
     started = time.monotonic()
+    log_path = os.path.join(out, TRAIN_LOG)
+    dtype = DTYPES[compute_dtype]
 
-    def report(i: int, loss: float) -> None:
+    def report(i: int, step: StepRecord, epoch: int) -> None:
         done = len(losses) + i + 1
+        seconds = time.monotonic() - started
+        records.append({"step": done, "epoch": epoch + 1, **asdict(step), "seconds": round(seconds, 3)})
+        log_file.write(json.dumps(records[-1]) + "\n")
+        log_file.flush()  # readable while training runs
         if log is not None and (done % max(1, total // 20) == 0 or done == total):
-            log(f"step {done}/{total}  loss {loss:.4f}  {time.monotonic() - started:.0f}s")
+            log(f"step {done}/{total}  loss {step.loss:.4f}  {seconds:.0f}s")
 
-    for epoch in range(epochs):
-        if follow is None:
-            loader.sampler.set_epoch(epoch)
-        left = total - len(losses)
-        if left <= 0:
-            break
-        batches = ({k: v.to(where, non_blocking=True) for k, v in b.items()} for b in itertools.islice(loader, left))
-        losses += train_steps(
-            draft, batches, head, optimizer, ttt_steps, report, scheduler, step_decay, supervise, DTYPES[compute_dtype]
-        )
+    os.makedirs(out, exist_ok=True)
+    # an interrupted run's log describes no draft: a new run into the same directory starts it afresh
+    with open(log_path, "w", encoding="utf-8") as log_file:
+        for epoch in range(epochs):
+            if follow is None:
+                loader.sampler.set_epoch(epoch)
+            left = total - len(losses)
+            if left <= 0:
+                break
+            batches = (
+                {k: v.to(where, non_blocking=True) for k, v in b.items()} for b in itertools.islice(loader, left)
+            )
+            on_step = functools.partial(report, epoch=epoch)
+            losses += train_steps(
+                draft, batches, head, optimizer, ttt_steps, on_step, scheduler, step_decay, supervise, dtype
+            )
     if follow is not None:
         loader.acknowledge()  # the last batch is trained on: reclaim its shards (the loader was not asked again)
     seconds = time.monotonic() - started
@@ -319,4 +370,8 @@ def train(
         "training": {**trained, "steps": len(losses), "final_loss": losses[-1]},
     }
     save_draft(draft.cpu(), out, extra)
+    png = os.path.join(out, LOSS_CURVE)
+    drawn = loss_curve(records, png)  # after the draft is saved: a failed picture loses no training
+    if log is not None:
+        log(f"training log: {log_path}; " + (f"loss curve: {png}" if drawn else not_drawn(png)))
     return TrainResult(losses, len(losses), seconds)
