@@ -13,7 +13,14 @@ schema from the model config; sizes follow from the shard layout:
 * ``zbf16`` stores the low byte of every value as it is (exact) and the high
   byte (sign and top 7 exponent bits) entropy-coded, so only a range can be given
   for it: :data:`ZBF16_HI_FRACTION` of the high plane's raw size.
-* The side file (embeddings, draft LM-head rows, vocabulary maps) is exact.
+* The side files are exact: the method's (embeddings, draft LM-head rows,
+  vocabulary maps, in ``--model-dtype``, the dtype the run loads the target in)
+  and ``skipped_rows.jsonl``, which the plan's skipped rows give byte for byte.
+
+``estimate`` takes every flag that changes what a run writes: they are defined
+once, by :func:`speccache.precompute.run.add_precompute_arguments`, for both
+commands. It also reports what the data gave, as ``precompute`` records it: rows
+read, truncated and skipped (per reason, each skipped row named ``file:line``).
 
 The bounds of :data:`ZBF16_HI_FRACTION`, from measurements (``zbf16_plane_stats``,
 compressed high plane / its raw size): the demo target's aux and final hidden
