@@ -265,6 +265,11 @@ class SkippedRow:
     reason: str
     detail: str
 
+    def where(self, path: str) -> str:
+        """The row as messages name rows of the data file ``path``: ``file:line`` (1-based) in JSON lines,
+        ``file[index]`` (0-based) otherwise."""
+        return f"{path}:{self.row + 1}" if _data_kind(path) == "lines" else f"{path}[{self.row}]"
+
 
 @dataclass
 class DataStats:

@@ -13,7 +13,14 @@ schema from the model config; sizes follow from the shard layout:
 * ``zbf16`` stores the low byte of every value as it is (exact) and the high
   byte (sign and top 7 exponent bits) entropy-coded, so only a range can be given
   for it: :data:`ZBF16_HI_FRACTION` of the high plane's raw size.
-* The side file (embeddings, draft LM-head rows, vocabulary maps) is exact.
+* The side files are exact: the method's (embeddings, draft LM-head rows,
+  vocabulary maps, in ``--model-dtype``, the dtype the run loads the target in)
+  and ``skipped_rows.jsonl``, which the plan's skipped rows give byte for byte.
+
+``estimate`` takes every flag that changes what a run writes: they are defined
+once, by :func:`speccache.precompute.run.add_precompute_arguments`, for both
+commands. It also reports what the data gave, as ``precompute`` records it: rows
+read, truncated and skipped (per reason, each skipped row named ``file:line``).
 
 The bounds of :data:`ZBF16_HI_FRACTION`, from measurements (``zbf16_plane_stats``,
 compressed high plane / its raw size): the demo target's aux and final hidden
@@ -32,6 +39,7 @@ size (zbf16 stores a chunk raw when zstd would not shrink it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -40,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from speccache.data import SKIPPED_ROWS_FILE, DataStats
 from speccache.format import OFFSETS_KEY, KeySpec, Schema, get_encoding, part_name, safetensors_prefix
 from speccache.format.shard import shard_metadata
 from speccache.methods.base import tied_metadata, ties_embeddings
@@ -191,19 +200,39 @@ def _weight_dtype(model_config: Any, model_dtype: str) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.get_default_dtype()
 
 
+def _data_counts(stats: DataStats) -> dict[str, Any]:
+    """Every count the plan's data statistics hold (numbers and per-reason or per-field tallies), by name: what
+    ``precompute`` records of the data in the manifest's ``stats``, so a new count shows in ``estimate`` unasked."""
+    values = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
+    return {
+        name: dict(sorted(v.items())) if isinstance(v, dict) else v
+        for name, v in values.items()
+        if not isinstance(v, list)
+    }
+
+
+def _exact(spec: KeySpec) -> bool:
+    """Whether a key's size follows from the row counts alone (no part sized by its data, as zbf16's is)."""
+    return all(p.length != "bytes" for p in get_encoding(spec.encoding).parts(spec.dtype, spec.shape).values())
+
+
 def estimate_cache(cfg: Any) -> dict[str, Any]:
     """Predict the size of the cache ``precompute`` would write with ``cfg`` (a :class:`PrecomputeConfig`).
 
     Loads the model config, tokenizer and data, never the weights.
 
     Returns:
-        ``samples``, ``tokens``, ``num_shards``, ``keys`` (per key: ``encoding``,
-        ``bytes_low``/``bytes_high``, equal unless the key is zbf16), ``overhead_bytes``,
-        ``shard_bytes_low``/``_high``, ``side_file_bytes``, ``total_bytes_low``/``_high``
-        (shards and side file, as the precompute summary counts), ``bytes_per_token_low``/``_high``
-        (shards only, as ``inspect`` counts), ``longest_sample``, ``padded_probs_bytes`` (padded to
-        ``--max-length``) and ``padded_probs_longest_bytes`` (to the longest sample: what the report and the
-        precompute summary compare with), and ``zbf16_hi_fraction``.
+        ``samples``, ``tokens``, ``num_shards``, ``keys`` (per key: ``encoding``, ``bytes_low``/``bytes_high``,
+        and ``exact``: false for a key whose size depends on its values, zbf16's, whose range is a bound),
+        ``overhead_bytes``, ``shard_bytes_low``/``_high``, ``side_files`` (bytes of each side file the run writes:
+        the method's, stored in ``weight_dtype``, and ``skipped_rows.jsonl`` when a row is skipped),
+        ``side_file_bytes`` (the method's side file), ``total_bytes_low``/``_high`` (shards and side files, as the
+        precompute summary counts), ``exact`` (every key exact), ``bytes_per_token_low``/``_high`` (shards only,
+        as ``inspect`` counts), ``data_stats`` (the counts precompute records of the data: ``rows_read``,
+        ``rows_truncated``, ``skipped`` per reason...), ``skipped_rows`` (each skipped row's ``row``, ``where``
+        (file:line), ``reason`` and ``detail``, as ``skipped_rows.jsonl`` lists them), ``longest_sample``,
+        ``padded_probs_bytes`` (padded to ``--max-length``), ``padded_probs_longest_bytes`` (to the longest
+        sample: what the report and the precompute summary compare with), and ``zbf16_hi_fraction``.
 
     Raises:
         ValueError, DataError, FileNotFoundError: what ``precompute`` would reject before loading the model.
@@ -215,14 +244,21 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
     stats = _sample_stats(plan)
     low = estimate_shards(plan.schema, lengths, cfg.shard_size, ZBF16_HI_FRACTION[0], stats)
     high = estimate_shards(plan.schema, lengths, cfg.shard_size, ZBF16_HI_FRACTION[1], stats)
+    weight_dtype = _weight_dtype(plan.model_config, cfg.model_dtype)
     side = side_file_bytes(
         plan.vocab_size,
         plan.draft_vocab_size,
         plan.hidden_size,
-        _weight_dtype(plan.model_config, cfg.model_dtype),
+        weight_dtype,
         plan.cache_name,
         ties_embeddings(plan.model_config),
     )
+    data = plan.manifest_config["data"]
+    side_files = {plan.side_file: side}
+    skipped_jsonl = plan.stats.skipped_rows_jsonl(data)
+    if skipped_jsonl:  # precompute writes the file only when a row was skipped
+        side_files[SKIPPED_ROWS_FILE] = len(skipped_jsonl)
+    side_total = sum(side_files.values())
     tokens = sum(lengths)
     itemsize = DTYPES[cfg.dtype].itemsize
     return {
@@ -240,6 +276,7 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
                 "encoding": spec.encoding,
                 "bytes_low": low["keys"][name],
                 "bytes_high": high["keys"][name],
+                "exact": _exact(spec),
             }
             for name, spec in plan.schema.items()
         },
@@ -247,12 +284,21 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
         "shard_bytes_low": low["total"],
         "shard_bytes_high": high["total"],
         "method": cfg.method,
+        "model_dtype": cfg.model_dtype,
+        "weight_dtype": str(weight_dtype).removeprefix("torch."),
         "side_file": plan.side_file,
         "side_file_bytes": side,
-        "total_bytes_low": low["total"] + side,
-        "total_bytes_high": high["total"] + side,
+        "side_files": side_files,
+        "total_bytes_low": low["total"] + side_total,
+        "total_bytes_high": high["total"] + side_total,
+        "exact": all(_exact(spec) for spec in plan.schema.values()),
         "bytes_per_token_low": low["total"] / tokens,
         "bytes_per_token_high": high["total"] / tokens,
+        "data_stats": _data_counts(plan.stats),
+        "skipped_rows": [
+            {"row": r.row, "where": r.where(cfg.data), "reason": r.reason, "detail": r.detail}
+            for r in plan.stats.skipped_rows
+        ],
         "longest_sample": max(lengths),
         "padded_probs_bytes": padded_probs_bytes(
             len(lengths), cfg.max_length, plan.hidden_size, plan.draft_vocab_size, itemsize
@@ -268,6 +314,34 @@ def _span(lo: float, hi: float, fmt: Any = human_bytes) -> str:
     return fmt(lo) if lo == hi else f"{fmt(lo)} - {fmt(hi)}"
 
 
+def _count(value: Any) -> str:
+    """A count of the data statistics as text: a number, or a tally ``name n, name n``."""
+    if isinstance(value, dict):
+        return ", ".join(f"{name} {n}" for name, n in value.items()) or "none"
+    return str(value)
+
+
+_LISTED_ROWS = 10  # skipped rows named per reason in the text report (--json lists every one)
+
+
+def _data_lines(est: Mapping[str, Any]) -> list[str]:
+    """What the data gave: rows read, skipped (per reason, naming the rows), and every other count."""
+    counts = dict(est["data_stats"])
+    skipped = counts.pop("skipped", {})
+    lines = [
+        f"rows       {counts.pop('rows_read')} read: {est['samples']} samples, "
+        f"{counts.pop('rows_truncated')} truncated to --max-length, {sum(skipped.values())} skipped"
+        + (f" (precompute lists them in {SKIPPED_ROWS_FILE})" if skipped else "")
+    ]
+    for reason, n in skipped.items():
+        rows = [r["where"] for r in est["skipped_rows"] if r["reason"] == reason]
+        more = f", ... ({n} in all; --json lists every row)" if n > _LISTED_ROWS else ""
+        lines.append(f"skipped    {reason} {n}: {', '.join(rows[:_LISTED_ROWS])}{more}")
+    # any other count the run records of the data (e.g. fields the chat template dropped) shows here
+    lines += [f"{name:<10} {_count(value)}" for name, value in counts.items()]
+    return lines
+
+
 def format_estimate(est: Mapping[str, Any]) -> str:
     """The human-readable report of :func:`estimate_cache`."""
     tokens, padded = est["tokens"], est["padded_probs_longest_bytes"]
@@ -281,18 +355,25 @@ def format_estimate(est: Mapping[str, Any]) -> str:
         lines.append(
             f"{name:<20} {k['dtype']:<10} {str(k['shape']):<10} {k['encoding']:<9} "
             f"{_span(k['bytes_low'], k['bytes_high']):>21} {_span(k['bytes_low'], k['bytes_high'], per_token):>13}"
+            + ("" if k["exact"] else "  (a bound)")
         )
     lines.append(
         f"{'headers, offsets':<51} {human_bytes(est['overhead_bytes']):>21} {per_token(est['overhead_bytes']):>13}"
     )
-    exact = est["shard_bytes_low"] == est["shard_bytes_high"]
     lo, hi = est["zbf16_hi_fraction"]
+    side = ", ".join(f"{name} {human_bytes(size)}" for name, size in est["side_files"].items())
     lines += [
         f"shards     {_span(est['shard_bytes_low'], est['shard_bytes_high'])} "
-        f"({_span(est['bytes_per_token_low'], est['bytes_per_token_high'], lambda b: f'{b:.1f}')} bytes/token)"
-        + ("" if exact else f"; zbf16 high bytes taken as {lo:.0%}-{hi:.0%} of their raw size"),
-        f"side file  {est['side_file']}: {human_bytes(est['side_file_bytes'])}",
-        f"total      {_span(est['total_bytes_low'], est['total_bytes_high'])}",
+        f"({_span(est['bytes_per_token_low'], est['bytes_per_token_high'], lambda b: f'{b:.1f}')} bytes/token)",
+        f"side files {side} (weights in {est['weight_dtype']}, --model-dtype {est['model_dtype']})",
+        f"total      {_span(est['total_bytes_low'], est['total_bytes_high'])}"
+        + (
+            ""
+            if est["exact"]
+            else f": a bound, not a prediction: a zbf16 key's size depends on its values (its high bytes are taken "
+            f"as {lo:.0%}-{hi:.0%} of their raw size)"
+        ),
+        *_data_lines(est),
         f"padded full-probability layout (to the longest sample, {est['longest_sample']} tokens) would take "
         f"{human_bytes(padded)} "
         f"({_span(padded / est['total_bytes_high'], padded / est['total_bytes_low'], lambda r: f'{r:.1f}x')} "

@@ -74,7 +74,11 @@ log = logging.getLogger("speccache.precompute")
 
 
 def add_precompute_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags shared by ``precompute`` and ``estimate``."""
+    """The flags shared by ``precompute`` and ``estimate``: every flag that can change what a run writes.
+
+    A new flag that changes a cache's bytes (its samples, keys, dtypes, encodings or side files) belongs here, so
+    that ``estimate`` predicts the run it describes; flags of how a run computes go in :func:`register_commands`.
+    """
     p.add_argument("--model", required=True, help="Hugging Face model directory (or hub id where the network allows)")
     p.add_argument(
         "--data", required=True, help=".jsonl/.json chat data (ShareGPT, OpenAI messages, or input_ids+loss_mask)"
@@ -111,6 +115,12 @@ def add_precompute_arguments(p: argparse.ArgumentParser) -> None:
         "--shard-size", type=int, default=256, help="samples per shard; a multiple of --batch-size (default 256)"
     )
     p.add_argument("--dtype", default="bf16", help="storage dtype of float features: bf16, fp16, fp32 (default bf16)")
+    p.add_argument(
+        "--model-dtype",
+        default="auto",
+        help="dtype to run the target in: auto (checkpoint), bf16, fp16, fp32; the side file's weights are stored "
+        "in it",
+    )
     p.add_argument(
         "--aux-layers", default=None, help="three decoder layer ids, e.g. 1,15,28 (default [1, L//2-1, L-4])"
     )
@@ -829,6 +839,7 @@ def register_commands(sub: Any) -> None:
         "precompute", help="run a target over chat data and write its features (EAGLE-3, layers, DSpark, DFlash, MTP)"
     )
     add_precompute_arguments(p)
+    # How the run computes and where it writes: none of these changes the bytes of the cache.
     p.add_argument("--out", required=True, help="cache directory to write")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run with the same settings")
     p.add_argument(
@@ -838,9 +849,6 @@ def register_commands(sub: Any) -> None:
         "re-run the same command to finish a killed append",
     )
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument(
-        "--model-dtype", default="auto", help="dtype to run the target in: auto (checkpoint), bf16, fp16, fp32"
-    )
     p.add_argument(
         "--threads",
         type=int,
