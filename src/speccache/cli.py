@@ -13,11 +13,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from speccache.errors import SpeccacheError
-from speccache.units import human_bytes
+from speccache.units import counted, human_bytes
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a cache's schema, counts and sizes."""
+    import os
+
+    from speccache.data import SKIPPED_ROWS_FILE
     from speccache.format.view import is_view
     from speccache.read.verify import inspect_cache
 
@@ -33,10 +36,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     print(f"cache      {info['cache_dir']} ({info['cache_name']}, format v{info['format_version']})")
     print(f"complete   {'yes' if info['complete'] else 'NO (interrupted or still being written)'}")
-    print(
-        f"samples    {info['num_samples']} in {info['num_shards']} shards of {info['shard_size']}; "
-        f"tokens {info['num_tokens']}"
-    )
+    gone, here = len(info["reclaimed"]), info["num_shards"]
+    samples = f"samples    {info['num_samples']} in {counted(gone + here, 'shard')} of {info['shard_size']}"
+    if not gone:
+        print(f"{samples}; tokens {info['num_tokens']}")
+    elif not here:
+        print(f"{samples}, all reclaimed (deleted after a following trainer read them): none left here")
+    else:
+        print(f"{samples}: {gone} reclaimed after use, {here} here holding {info['num_tokens']} tokens")
     bpt = info["bytes_per_token"]
     print(f"size       {human_bytes(info['shard_bytes'])} in shards" + (f", {bpt:.1f} bytes per token" if bpt else ""))
     print(f"{'key':<20} {'dtype':<14} {'shape':<10} {'ragged':<7} {'encoding':<9} {'bytes':>12} {'B/token':>9}")
@@ -51,13 +58,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if info["reclaimed"]:
         print(
             f"reclaimed  {len(info['reclaimed'])} shards deleted after use by a trainer that followed the cache "
-            f"(reclaim=True): {_listed(info['reclaimed'])}; the counts above are of the shards still here"
+            f"(reclaim=True): {_listed(info['reclaimed'])}; the sizes above are of the shards still here"
         )
     stats = info.get("stats")
     skipped = stats.get("skipped_rows") if isinstance(stats, dict) else None
     if isinstance(skipped, dict) and skipped:
         reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(skipped.items()))
-        print(f"skipped    {sum(n for n in skipped.values() if isinstance(n, int))} rows: {reasons}")
+        listed = ""
+        if SKIPPED_ROWS_FILE in (info["side_file_bytes"] or {}):
+            listed = f" (listed in {os.path.join(args.cache_dir, SKIPPED_ROWS_FILE)})"
+        print(f"skipped    {counted(sum(n for n in skipped.values() if isinstance(n, int)), 'row')}: {reasons}{listed}")
     errors = stats.get("encoding_error") if isinstance(stats, dict) else None
     for key, err in errors.items() if isinstance(errors, dict) else ():
         if (

@@ -31,7 +31,14 @@ from typing import Any
 
 import xxhash
 
-from speccache.data import chat_format, file_content_hash, iter_rows, load_chat_tokenizer, tokenizer_hash
+from speccache.data import (
+    chat_format,
+    check_model_source,
+    file_content_hash,
+    iter_rows,
+    load_chat_tokenizer,
+    tokenizer_hash,
+)
 from speccache.data.chat import chat_messages
 from speccache.data.regenerated import (
     REGENERATE_FORMAT,
@@ -323,6 +330,7 @@ def regenerate(config: RegenerateConfig) -> RegenerateResult:
         raise CacheExistsError(
             f"--out {out} already holds a regenerate run; pass --resume to continue it, or choose a new directory"
         )
+    check_model_source(config.model)
     ensure_writable_dir(out)
     tokenizer = load_chat_tokenizer(config.model, config.chat_template)
     fmt = chat_format(tokenizer, config.chat_template)

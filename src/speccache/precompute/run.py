@@ -32,6 +32,7 @@ from speccache.data import (
     DataStats,
     TokenizedSamples,
     chat_format,
+    check_model_source,
     data_root,
     file_content_hash,
     is_hub_id,
@@ -51,7 +52,7 @@ from speccache.methods.base import DTYPES, Method, MethodPlan, PrePass, dtype_na
 from speccache.methods.finite import SKIP_REASON, ClearedCounter, check_nonfinite_mode
 from speccache.methods.registry import METHODS, method_for
 from speccache.precompute.append import DATA_FIELDS, AppendedDataset, merge_stats, plan_append
-from speccache.units import human_bytes, parse_bytes
+from speccache.units import counted, human_bytes, parse_bytes
 from speccache.write import (
     CacheWriter,
     Comm,
@@ -317,8 +318,7 @@ class PrecomputeConfig:
             raise ValueError(f"--num-proc must be >= 1, got {self.num_proc}")
         if self.reasoning not in REASONING_MODES:
             raise ValueError(f"--reasoning {self.reasoning!r} is unknown; choose one of {', '.join(REASONING_MODES)}")
-        if _looks_local(self.model) and not os.path.isdir(self.model):
-            raise FileNotFoundError(f"--model {self.model}: no such model directory")
+        check_model_source(self.model)
         engine_class(self.engine).check_flags(self)
         if self.out and os.path.exists(self.out) and not os.path.isdir(self.out):
             raise NotADirectoryError(f"--out {self.out} is a file; give a directory for the cache")
@@ -340,11 +340,6 @@ def check_out_outside_data(out: str, root: str) -> None:
             "own files would change it, so the cache could never be resumed or appended to; write the cache "
             f"outside {root}"
         )
-
-
-def _looks_local(model: str) -> bool:
-    # A hub id is "name" or "org/name"; anything that exists, or looks like a path, is a local directory.
-    return os.path.exists(model) or model.startswith((".", "/", "~")) or model.count("/") > 1
 
 
 def _parse_layers(text: str | None, flag: str = "--aux-layers") -> list[int] | None:
@@ -766,17 +761,20 @@ def summary_line(manifest: Manifest, seconds: float) -> str:
         padded = int(stats.get("padded_probs_bytes", 0))
         padding = f"padded to --max-length, {manifest.config.get('max_length')} tokens"
     if not total or not padded:
-        ratio = "-"
+        ratio = ""
     else:  # a few samples of a target with a large side file can take more than the padded shards
         ratio = f"{padded / total:.1f}x smaller" if padded >= total else f"{total / padded:.1f}x larger"
-    skipped = sum((stats.get("skipped_rows") or {}).values())
+        ratio = f"; this cache is {ratio} than that"
+    skipped = counted(sum((stats.get("skipped_rows") or {}).values()), "row") + " skipped"
+    if SKIPPED_ROWS_FILE in manifest.side_files:
+        skipped += f", listed in {os.path.join(os.path.dirname(manifest.path), SKIPPED_ROWS_FILE)}"
     computed = stats.get("computed_tokens")
-    work = f" ({computed / tokens:.2f}x computed with padding)" if computed else ""
+    work = f" (the target computed {computed / tokens:.2f}x as many with padding)" if computed else ""
     return (
-        f"speccache: {manifest.num_samples} samples ({skipped} rows skipped), {manifest.num_tokens or 0} "
+        f"speccache: {counted(manifest.num_samples, 'sample')} ({skipped}), {manifest.num_tokens or 0} "
         f"tokens{work}, {human_bytes(total)} in all ({total / tokens:.0f} bytes/token: shards "
         f"{human_bytes(shard_bytes)}, {shard_bytes / tokens:.0f} bytes/token, + side files {human_bytes(side_bytes)}) "
-        f"in {seconds:.1f}s; padded full-probability layout ({padding}) would take {human_bytes(padded)} ({ratio})"
+        f"in {seconds:.1f}s; padded full-probability layout ({padding}) would take {human_bytes(padded)}{ratio}"
         + "".join(
             f"; {key} error: relative RMS {e['rms']:.4f}, max {e['max']:.4f} of row amax"
             for key, e in sorted((stats.get("encoding_error") or {}).items())

@@ -32,6 +32,7 @@ from transformers import Cache, DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from speccache.format.durable import atomic_write
+from speccache.format.names import check_no_foreign_files
 from speccache.methods.decoder import cache_argument
 
 __all__ = ["DraftConfig", "Eagle3Draft", "check_new_draft_dir", "draft_record", "load_draft", "save_draft"]
@@ -39,6 +40,8 @@ __all__ = ["DraftConfig", "Eagle3Draft", "check_new_draft_dir", "draft_record", 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+DRAFT_FILES = (CONFIG, WEIGHTS)
+"""Every file ``speccache train`` writes into ``--out``: any other name there is the user's, and refused."""
 
 
 @dataclass
@@ -211,13 +214,16 @@ class Eagle3Draft(nn.Module):
 
 
 def check_new_draft_dir(out: str) -> None:
-    """Refuse a directory that already holds a draft (nothing that exists is overwritten).
+    """Refuse a directory that already holds a draft, or files :func:`save_draft` does not write (nothing that
+    exists is overwritten or mixed with a draft).
 
     Raises:
         FileExistsError: ``out`` holds a ``config.json`` or ``model.safetensors``.
+        CacheExistsError: ``out`` holds other files (a ``FileExistsError`` too).
     """
     if os.path.exists(os.path.join(out, WEIGHTS)) or os.path.exists(os.path.join(out, CONFIG)):
         raise FileExistsError(f"--out {out} already holds a draft; choose a new directory")
+    check_no_foreign_files(out, DRAFT_FILES, None, "speccache train")
 
 
 def save_draft(draft: Eagle3Draft, out: str, extra: Mapping[str, Any] | None = None) -> None:
