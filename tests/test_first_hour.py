@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 
@@ -231,3 +232,63 @@ def test_inspect_of_a_reclaimed_cache_says_it_was_reclaimed(cache, tmp_path, cap
     printed = capsys.readouterr().out
     assert "samples    6 in 2 shards of 3, all reclaimed (deleted after a following trainer read them)" in printed
     assert "tokens 0" not in printed and "in 0 shards" not in printed
+
+
+# ---------------------------------------------------------------------------
+# progress and --quiet
+
+
+def _bars(err: str) -> str:
+    return err.replace("\r", "\n")
+
+
+def test_regenerate_shows_rows_and_tokens_on_stderr_unless_quiet(cache, tmp_path, capsys):
+    argv = ["regenerate", "--model", cache["model"], "--data", demo_data_path("openai"), "--limit", "4"]
+    argv += ["--max-new-tokens", "6", "--part-size", "2", "--batch-size", "2", "--device", "cpu"]
+    assert main([*argv, "--out", str(tmp_path / "shown")]) == 0
+    captured = capsys.readouterr()
+    generated = json.loads((tmp_path / "shown" / "regenerate.json").read_text())["counts"]["generated_tokens"]
+    last = [line for line in _bars(captured.err).splitlines() if line.startswith("regenerate:")][-1]
+    assert "100%" in last and "4/4" in last and "row/s" in last, last
+    assert f"{generated} tokens, " in last and " tok/s" in last, last
+    assert "Loading weights" in captured.err, "transformers' bar shows without --quiet (so the check below can fail)"
+    assert "4 rows" in captured.out
+    assert main([*argv, "--out", str(tmp_path / "quiet"), "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert "regenerate:" not in captured.err and "Loading weights" not in captured.err and not captured.out
+
+
+def test_evaluate_shows_its_decoding_on_stderr_unless_quiet(cache, tmp_path, capsys):
+    draft = str(tmp_path / "draft")
+    assert main(["train", cache["cache"], "--out", draft, "--max-steps", "1", "--device", "cpu"]) == 0
+    argv = ["evaluate", draft, "--cache", cache["cache"], "--model", cache["model"], "--prompts", "2"]
+    argv += ["--max-new-tokens", "4", "--device", "cpu"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    last = [line for line in _bars(captured.err).splitlines() if line.startswith("evaluate:")][-1]
+    # greedy, the draft, prompt lookup and the n-gram table each decode the 2 prompts
+    assert "100%" in last and "8/8" in last and "prompt/s" in last and " tok/s" in last, last
+    assert "Loading weights" in captured.err
+    assert main([*argv, "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert "evaluate:" not in captured.err and "Loading weights" not in captured.err
+    assert "speculative greedy decoding, 2 prompts" in captured.out, "--quiet keeps the report"
+
+
+def test_precompute_quiet_silences_transformers_and_its_rates_count_this_runs_work(cache, tmp_path, capsys):
+    from speccache.format.manifest import ShardRecord
+    from speccache.precompute.run import _Progress
+
+    assert main([*_precompute(cache["model"], cache["data"], str(tmp_path / "c")), *COMMON]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out == ""
+    # a resumed run's bar: the terabyte of shards it kept was not written by it, so it counts in no rate
+    records = {0: ShardRecord(0, 3, 300, 10**12, "0" * 32)}
+    bar = _Progress(6, True, records)
+    records[1] = ShardRecord(1, 3, 300, 1000, "0" * 32)
+    bar.update(3, 300)
+    bar.close()
+    last = _bars(capsys.readouterr().err).strip().splitlines()[-1]
+    rate = float(last.split(" MB/s written")[0].rsplit(" ", 1)[-1])
+    assert "3/6" in last and rate < 1e6, last  # counting the kept terabyte: over 1e6 MB/s within 1000 s

@@ -7,9 +7,10 @@ stderr, no traceback), 2 bad usage.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from speccache.errors import SpeccacheError
@@ -259,12 +260,33 @@ def _method_commands() -> list[Callable[[Any], None]]:
     return [register_commands, register_regenerate, register_estimate, register_audit, register_export, register_train]
 
 
+@contextlib.contextmanager
+def quiet_libraries(quiet: bool) -> Iterator[None]:
+    """``--quiet`` is quiet: transformers' (and huggingface_hub's) progress bars, such as "Loading weights", and
+    its log lines below errors are off while the command runs, then as they were."""
+    if not quiet:
+        yield
+        return
+    from transformers.utils import logging as transformers_logging
+
+    bars, level = transformers_logging.is_progress_bar_enabled(), transformers_logging.get_verbosity()
+    transformers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(level)
+        if bars:
+            transformers_logging.enable_progress_bar()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        code = args.func(args)
+        with quiet_libraries(getattr(args, "quiet", False)):
+            code = args.func(args)
     except (SpeccacheError, FileNotFoundError, FileExistsError, NotADirectoryError) as exc:
         print(f"speccache {args.command}: error: {exc}", file=sys.stderr)
         code = 1

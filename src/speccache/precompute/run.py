@@ -663,10 +663,10 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
             groups.from_writer(begin)  # the group's other ranks compute the same shards
             assert run is not None
             todo_samples = sum(shard_samples(i, writer.manifest.num_samples, cfg.shard_size) for i in run.shards)
-            bar = _Progress(todo_samples, enabled=progress and comm.rank == 0)
+            bar = _Progress(todo_samples, progress and comm.rank == 0, writer.shard_writer.records)
 
             def on_batch(out: dict[str, torch.Tensor]) -> None:
-                bar.update(int(out[LENGTHS_KEY].numel()), int(out[LENGTHS_KEY].sum()), writer.shard_writer.records)
+                bar.update(int(out[LENGTHS_KEY].numel()), int(out[LENGTHS_KEY].sum()))
 
             cleared = ClearedCounter(run.write_shard)
             cleared.count_kept(cfg.out, plan.schema, sorted(set(writer.local_shards) - set(run.shards)))
@@ -783,19 +783,24 @@ def summary_line(manifest: Manifest, seconds: float) -> str:
 
 
 class _Progress:
-    """A tqdm bar over samples with tokens/s and MB/s written in its postfix."""
+    """A tqdm bar over this run's samples with its tokens/s and MB/s written in the postfix.
 
-    def __init__(self, total: int, enabled: bool) -> None:
+    ``records`` is the writer's shard table, read at each update; the shards it holds at the start (kept by a
+    resume, or an append's earlier shards) were not written by this run, so they count in no rate.
+    """
+
+    def __init__(self, total: int, enabled: bool, records: dict[int, Any]) -> None:
         from tqdm import tqdm
 
         self.bar = tqdm(total=total, unit="sample", desc="precompute", disable=not enabled, dynamic_ncols=True)
         self.tokens = 0
+        self.records, self.kept = records, set(records)
         self.start = time.monotonic()
 
-    def update(self, samples: int, tokens: int, records: dict[int, Any]) -> None:
+    def update(self, samples: int, tokens: int) -> None:
         self.tokens += tokens
         elapsed = max(time.monotonic() - self.start, 1e-9)
-        written = sum(r.bytes for r in list(records.values()))
+        written = sum(r.bytes for i, r in list(self.records.items()) if i not in self.kept)
         self.bar.set_postfix_str(
             f"{self.tokens / elapsed:.0f} tok/s, {written / elapsed / 1e6:.1f} MB/s written", refresh=False
         )

@@ -110,7 +110,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         proposers: dict[str, Proposer] = {"draft": DraftProposer(draft), "prompt_lookup": PromptLookup()}
         if ngram is not None:
             proposers["ngram"] = ngram
-        spec = speculative(runner, prompts, proposers, args.k, args.max_new_tokens, eos_ids(model))
+        spec = speculative(runner, prompts, proposers, args.k, args.max_new_tokens, eos_ids(model), not args.quiet)
         report["speculative"] = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, **spec}
         print(f"speculative greedy decoding, {len(prompts)} prompts, k={args.k}, max {args.max_new_tokens} new tokens:")
         for name, r in spec.items():
@@ -187,4 +187,5 @@ def register_commands(sub: Any) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest on a busy CPU)")
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
+    p.add_argument("--quiet", action="store_true", help="no progress bar while decoding")
     p.set_defaults(func=cmd_evaluate)
