@@ -84,6 +84,9 @@ def test_an_unreachable_hub_fails_at_once_naming_both_readings(cache, tmp_path, 
     assert "no such model directory, and as a hub id it is not in the local Hugging Face cache" in err
     assert "the hub cannot be reached (Name or service not known)" in err
     assert asked == [("someorg/no-such-model", 10)], "one probe, with a timeout of seconds"
+    argv = ["import", str(tmp_path), str(tmp_path / "imported"), "--from", "specforge", "--model", "someorg/x"]
+    assert main(argv) == 1
+    assert "--model someorg/x: no such model directory" in capsys.readouterr().err
     # evaluate checks its --model before it loads the draft
     assert main(["evaluate", "missing-draft", "--cache", cache["cache"], "--model", "someorg/no-such-model"]) == 1
     assert "the hub cannot be reached" in capsys.readouterr().err
@@ -121,6 +124,12 @@ def test_a_mistyped_cache_path_is_named_as_a_missing_directory(argv, tmp_path, c
     err = capsys.readouterr().err
     assert f"no such directory: {missing} (no cache there); check the path" in err
     assert "fully written" not in err
+
+
+def test_a_mistyped_draft_path_is_named_as_a_missing_directory(cache, tmp_path, capsys):
+    missing = str(tmp_path / "drfat")
+    assert main(["evaluate", missing, "--cache", cache["cache"]]) == 1
+    assert f"no such directory: {missing} (no draft there); check the path" in capsys.readouterr().err
 
 
 def test_train_out_refuses_a_directory_holding_other_files(cache, tmp_path, capsys):

@@ -799,15 +799,20 @@ class _Progress:
 
     def update(self, samples: int, tokens: int) -> None:
         self.tokens += tokens
-        elapsed = max(time.monotonic() - self.start, 1e-9)
-        written = sum(r.bytes for i, r in list(self.records.items()) if i not in self.kept)
-        self.bar.set_postfix_str(
-            f"{self.tokens / elapsed:.0f} tok/s, {written / elapsed / 1e6:.1f} MB/s written", refresh=False
-        )
+        self._rates()
         self.bar.update(samples)
 
     def close(self) -> None:
+        """Show the run's rates over its whole time, the last shards' writes included, and close the bar."""
+        self._rates()
         self.bar.close()
+
+    def _rates(self) -> None:
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        written = sum(r.bytes for i, r in list(self.records.items()) if i not in self.kept)
+        # shards are written whole in the background: until the first is done there is no rate to show
+        bytes_rate = f", {written / elapsed / 1e6:.1f} MB/s written" if written else ""
+        self.bar.set_postfix_str(f"{self.tokens / elapsed:.0f} tok/s{bytes_rate}", refresh=False)
 
 
 # ---------------------------------------------------------------------------

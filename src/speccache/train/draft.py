@@ -266,8 +266,11 @@ def draft_record(path: str) -> dict[str, Any]:
     training cache), ``target``, ``training``.
 
     Raises:
+        FileNotFoundError: ``path`` is not a directory.
         ValueError: the directory's ``config.json`` is not one :func:`save_draft` wrote.
     """
+    if not os.path.isdir(path):  # a mistyped path: say so rather than name a config.json inside it
+        raise FileNotFoundError(f"no such directory: {path} (no draft there); check the path")
     with open(os.path.join(path, CONFIG), encoding="utf-8") as f:
         record = json.load(f).get("speccache")
     if not isinstance(record, dict) or "draft_config" not in record:
