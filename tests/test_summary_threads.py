@@ -58,11 +58,11 @@ def test_summary_counts_the_side_file_and_pads_to_the_longest_sample(tiny_models
     assert padded == 12 * longest * _per_token()
     assert manifest.stats["padded_probs_bytes"] == 12 * 2048 * _per_token(), "its meaning is kept"
     assert f"(padded to the longest sample, {longest} tokens) would take {human_bytes(padded)}" in line
-    assert f"({padded / (shards + side):.1f}x smaller)" in line
+    assert f"; this cache is {padded / (shards + side):.1f}x smaller than that" in line
 
     # a cache larger than the padded layout (its side file outweighs a few short samples) says so
     manifest.stats["padded_probs_longest_bytes"] = (shards + side) // 4
-    assert "(4.0x larger)" in summary_line(manifest, 1.0)
+    assert "; this cache is 4.0x larger than that" in summary_line(manifest, 1.0)
 
     # a manifest written before the field existed: the comparison it recorded, named for what it is
     for key in ("longest_sample", "padded_probs_longest_bytes"):

@@ -7,17 +7,21 @@ stderr, no traceback), 2 bad usage.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from speccache.errors import SpeccacheError
-from speccache.units import human_bytes
+from speccache.units import counted, human_bytes
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a cache's schema, counts and sizes."""
+    import os
+
+    from speccache.data import SKIPPED_ROWS_FILE
     from speccache.format.view import is_view
     from speccache.read.verify import inspect_cache
 
@@ -33,10 +37,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     print(f"cache      {info['cache_dir']} ({info['cache_name']}, format v{info['format_version']})")
     print(f"complete   {'yes' if info['complete'] else 'NO (interrupted or still being written)'}")
-    print(
-        f"samples    {info['num_samples']} in {info['num_shards']} shards of {info['shard_size']}; "
-        f"tokens {info['num_tokens']}"
-    )
+    gone, here = len(info["reclaimed"]), info["num_shards"]
+    samples = f"samples    {info['num_samples']} in {counted(gone + here, 'shard')} of {info['shard_size']}"
+    if not gone:
+        print(f"{samples}; tokens {info['num_tokens']}")
+    elif not here:
+        print(f"{samples}, all reclaimed (deleted after a following trainer read them): none left here")
+    else:
+        print(f"{samples}: {gone} reclaimed after use, {here} here holding {info['num_tokens']} tokens")
     bpt = info["bytes_per_token"]
     print(f"size       {human_bytes(info['shard_bytes'])} in shards" + (f", {bpt:.1f} bytes per token" if bpt else ""))
     print(f"{'key':<20} {'dtype':<14} {'shape':<10} {'ragged':<7} {'encoding':<9} {'bytes':>12} {'B/token':>9}")
@@ -51,13 +59,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if info["reclaimed"]:
         print(
             f"reclaimed  {len(info['reclaimed'])} shards deleted after use by a trainer that followed the cache "
-            f"(reclaim=True): {_listed(info['reclaimed'])}; the counts above are of the shards still here"
+            f"(reclaim=True): {_listed(info['reclaimed'])}; the sizes above are of the shards still here"
         )
     stats = info.get("stats")
     skipped = stats.get("skipped_rows") if isinstance(stats, dict) else None
     if isinstance(skipped, dict) and skipped:
         reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(skipped.items()))
-        print(f"skipped    {sum(n for n in skipped.values() if isinstance(n, int))} rows: {reasons}")
+        listed = ""
+        if SKIPPED_ROWS_FILE in (info["side_file_bytes"] or {}):
+            listed = f" (listed in {os.path.join(args.cache_dir, SKIPPED_ROWS_FILE)})"
+        print(f"skipped    {counted(sum(n for n in skipped.values() if isinstance(n, int)), 'row')}: {reasons}{listed}")
     errors = stats.get("encoding_error") if isinstance(stats, dict) else None
     for key, err in errors.items() if isinstance(errors, dict) else ():
         if (
@@ -249,12 +260,33 @@ def _method_commands() -> list[Callable[[Any], None]]:
     return [register_commands, register_regenerate, register_estimate, register_audit, register_export, register_train]
 
 
+@contextlib.contextmanager
+def quiet_libraries(quiet: bool) -> Iterator[None]:
+    """``--quiet`` is quiet: transformers' (and huggingface_hub's) progress bars, such as "Loading weights", and
+    its log lines below errors are off while the command runs, then as they were."""
+    if not quiet:
+        yield
+        return
+    from transformers.utils import logging as transformers_logging
+
+    bars, level = transformers_logging.is_progress_bar_enabled(), transformers_logging.get_verbosity()
+    transformers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(level)
+        if bars:
+            transformers_logging.enable_progress_bar()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        code = args.func(args)
+        with quiet_libraries(getattr(args, "quiet", False)):
+            code = args.func(args)
     except (SpeccacheError, FileNotFoundError, FileExistsError, NotADirectoryError) as exc:
         print(f"speccache {args.command}: error: {exc}", file=sys.stderr)
         code = 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["human_bytes", "parse_bytes"]
+__all__ = ["counted", "human_bytes", "parse_bytes"]
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(?:([KMGTP])(i?)B?)?\s*B?\s*$", re.IGNORECASE)
 
@@ -41,3 +41,8 @@ def human_bytes(n: float | None) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun`` in the number it takes: ``"1 row"``, ``"0 rows"``, ``"27 samples"``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -394,6 +394,7 @@ def import_nemo_eagle3(src: str, out: str, resume: bool = False) -> Manifest:
 def cmd_import(args: argparse.Namespace) -> int:
     """Run ``speccache import``."""
     from speccache.compat.interop import import_peer
+    from speccache.data import check_model_source
     from speccache.format.encoding import parse_encodings
 
     if args.layout == "nemo-eagle3":
@@ -401,6 +402,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     else:
         if not args.model:
             raise ValueError(f"--from {args.layout} needs --model: the target whose features the files hold")
+        check_model_source(args.model)
         layer_ids = [int(x) for x in args.layers.split(",") if x.strip()] if args.layers else None
         manifest = import_peer(
             args.nemo_dir,

@@ -30,6 +30,7 @@ Character spans become token masks through the fast tokenizer's offsets.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -361,6 +362,44 @@ def tokenizer_template(tokenizer: Any) -> str | None:
         return tokenizer.get_chat_template()
     except (ValueError, NotImplementedError, AttributeError):
         return None
+
+
+def check_model_source(model: str, flag: str = "--model") -> None:
+    """Refuse, within seconds, a model that is neither a local directory nor a hub id this machine can load.
+
+    A name that is no directory is read as a hub id (``name`` or ``org/name``): it passes when the local
+    Hugging Face cache holds it, or when the hub answers for it; offline (``HF_HUB_OFFLINE``) or unreachable,
+    transformers would otherwise spend half a minute in retries before saying so.
+
+    Raises:
+        FileNotFoundError: neither reading gives a model; the message names both and the fix.
+    """
+    if os.path.isdir(model):
+        return
+    if os.path.exists(model):
+        raise FileNotFoundError(f"{flag} {model} is a file; give the model's directory")
+    missing = f"{flag} {model}: no such model directory"
+    if model.startswith((".", "/", "~")) or model.count("/") > 1 or not model.strip("/"):
+        raise FileNotFoundError(f"{missing}; fix the path")
+    import huggingface_hub
+    from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
+
+    try:
+        cached = huggingface_hub.try_to_load_from_cache(model, "config.json")
+    except HFValidationError:  # not a valid hub id either
+        raise FileNotFoundError(f"{missing}; fix the path") from None
+    if isinstance(cached, str):
+        return
+    hub = f"and as a hub id it is not in the local Hugging Face cache ({huggingface_hub.constants.HF_HUB_CACHE})"
+    fix = f"give the model's local directory, or download it first (hf download {model})"
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        raise FileNotFoundError(f"{missing}, {hub} and HF_HUB_OFFLINE is set; {fix}")
+    try:
+        huggingface_hub.model_info(model, timeout=10)
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(f"{missing}, {hub} nor on the hub (or it is private: log in); {fix}") from None
+    except Exception as exc:  # noqa: BLE001 - the hub client's network errors come from its own HTTP library
+        raise FileNotFoundError(f"{missing}, {hub}, and the hub cannot be reached ({exc}); {fix}") from None
 
 
 def load_chat_tokenizer(model: str, template_file: str | None = None) -> Any:

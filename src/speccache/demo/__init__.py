@@ -34,6 +34,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from speccache.data import tokenizer_hash
+from speccache.format.durable import apply_umask
 
 __all__ = [
     "ARCHITECTURES",
@@ -247,6 +248,7 @@ def build_tiny_model_dir(path: str, architecture: str, seed: int = 0, head_dim: 
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         _save_model(tmp, architecture, seed, tokenizer, head_dim)
+        apply_umask(str(tmp))  # mkdtemp and save_pretrained leave it readable by its owner alone
         try:
             os.rename(tmp, final)
         except OSError:

@@ -44,7 +44,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from speccache.format.durable import file_checksum
+from speccache.format.durable import apply_umask, file_checksum
 
 __all__ = [
     "REAL_TARGET_PACKAGE",
@@ -180,6 +180,7 @@ def build_real_model_dir(path: str) -> str:
     try:
         _convert(gguf_path, tmp)
         (tmp / _MARKER).write_text(json.dumps(wanted, indent=2) + "\n", encoding="utf-8")
+        apply_umask(str(tmp))  # mkdtemp and save_pretrained leave it readable by its owner alone
         if ours:  # a build from another wheel or recipe: move it aside, then put the new one in its place
             os.rename(final, stale)
         try:

@@ -11,7 +11,7 @@ instance is one run's generator and starts the target only when first asked to g
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -79,8 +79,12 @@ class Generator(Protocol):
         """A row's sampling state from its seed, handed back with each of its prompts: the row's draws depend on
         it alone, not on the rows generated with it."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], streams: Sequence[Any]) -> list[Answer]:
-        """The answer to each prompt (``streams[i]`` is prompt ``i``'s row's); starts the target when first called."""
+    def generate(
+        self, prompts: Sequence[Sequence[int]], streams: Sequence[Any], on_tokens: Callable[[int], None] | None = None
+    ) -> list[Answer]:
+        """The answer to each prompt (``streams[i]`` is prompt ``i``'s row's); starts the target when first called.
+
+        ``on_tokens(n)``, where given, is told of every ``n`` tokens generated as they come (for progress)."""
 
     def close(self) -> None:
         """Release what :meth:`generate` started (called whether the run succeeded or not)."""

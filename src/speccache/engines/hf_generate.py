@@ -10,7 +10,7 @@ on the rows batched with it (up to the rounding of batched matrix products).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,10 +61,12 @@ def generate_batch(
     max_new_tokens: int,
     stop_ids: frozenset[int],
     pad_id: int,
+    on_tokens: Callable[[int], None] | None = None,
 ) -> list[tuple[list[int], bool]]:
     """Generate for left-padded ``prompts`` with a KV cache; per prompt ``(new ids, ended)``.
 
     ``ended``: the model emitted a stop token (the last id); otherwise the answer was cut at ``max_new_tokens``.
+    ``on_tokens(n)`` is told of each step's ``n`` new tokens (one per open row).
     """
     from transformers import DynamicCache
 
@@ -92,6 +94,8 @@ def generate_batch(
         ended = torch.isin(chosen, stops).tolist()
         for i, token in zip(open_rows, chosen.tolist()):
             out[i].append(token)
+        if on_tokens is not None:
+            on_tokens(len(open_rows))
         if all(ended) or step == max_new_tokens - 1:
             break
         if any(ended):
@@ -134,7 +138,9 @@ class HfGenerator:
         """The row's ``torch.Generator``: it carries over from turn to turn."""
         return torch.Generator().manual_seed(seed)
 
-    def generate(self, prompts: Sequence[Sequence[int]], streams: Sequence[Any]) -> list[Answer]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], streams: Sequence[Any], on_tokens: Callable[[int], None] | None = None
+    ) -> list[Answer]:
         """The answers, batch after batch (the model is loaded at the first call)."""
         s = self.settings
         if self.model is None:
@@ -150,6 +156,7 @@ class HfGenerator:
                 s.max_new_tokens,
                 s.stop_ids,
                 s.pad_id,
+                on_tokens,
             )
         return answers
 

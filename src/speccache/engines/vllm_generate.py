@@ -18,7 +18,7 @@ generator's up to near-ties that rounding flips.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
@@ -96,8 +96,11 @@ class VllmGenerator:
             **_memory_share(s.gpu_memory_utilization),
         )
 
-    def generate(self, prompts: Sequence[Sequence[int]], streams: Sequence[Any]) -> list[Answer]:
-        """The answers of one ``vllm.LLM.generate`` call (vLLM starts at the first)."""
+    def generate(
+        self, prompts: Sequence[Sequence[int]], streams: Sequence[Any], on_tokens: Callable[[int], None] | None = None
+    ) -> list[Answer]:
+        """The answers of one ``vllm.LLM.generate`` call (vLLM starts at the first); ``on_tokens`` is told of each
+        answer's tokens as the call returns it (vLLM's own bar is off: the run's bar shows rows and tokens)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -129,6 +132,8 @@ class VllmGenerator:
                     "report it with the vLLM version, and use --engine hf meanwhile"
                 )
             answers.append((list(completion.token_ids), completion.finish_reason == "stop"))
+            if on_tokens is not None:
+                on_tokens(len(completion.token_ids))
         return answers
 
     def close(self) -> None:

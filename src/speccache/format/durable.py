@@ -61,12 +61,40 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it: setting it to read it would race other threads' writes."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # no /proc (not Linux): the only other way to read it
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: str) -> None:
+    """Give ``path`` (a file, or a directory and everything under it) the modes a plain ``open``/``mkdir`` gives
+    under the user's umask: ``tempfile`` and safetensors make files 0600 and directories 0700, which other users
+    of a shared model or cache could not read."""
+    mask = current_umask()
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~mask)
+    for root, dirs, files in os.walk(path):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~mask)
+
+
 def atomic_write(path: str, write_fn: Callable[[str], Any]) -> str:
     """Write ``path`` through a unique sibling temporary file and an atomic rename.
 
     ``write_fn(tmp_path)`` writes the temporary file; it is fsynced, renamed over
     ``path`` and the directory fsynced, so a crash leaves either the old file or
-    the new one. If ``write_fn`` fails, the temporary file is removed and
+    the new one. The file takes the user's umask (:func:`apply_umask`), whatever mode ``write_fn`` gave it.
+    If ``write_fn`` fails, the temporary file is removed and
     ``path`` is untouched.
 
     Returns:
@@ -77,6 +105,7 @@ def atomic_write(path: str, write_fn: Callable[[str], Any]) -> str:
     tmp = temp_path(path)
     try:
         write_fn(tmp)
+        apply_umask(tmp)
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)

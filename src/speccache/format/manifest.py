@@ -42,9 +42,13 @@ def load_manifest_json(path: str) -> dict[str, Any]:
     """Parse a manifest file into a JSON object (any layout, native or seed).
 
     Raises:
-        FileNotFoundError: no such file (the message names the path).
+        FileNotFoundError: no such file, or its directory does not exist (the message names the path).
         CacheFormatError: not readable, not JSON, or not a JSON object.
     """
+    directory = os.path.dirname(path) or "."
+    if not os.path.isdir(directory):  # a mistyped path, not a cache its writer left unfinished
+        what = "not a directory" if os.path.exists(directory) else "no such directory"
+        raise FileNotFoundError(f"{what}: {directory} (no cache there); check the path")
     if not os.path.lexists(path):
         raise FileNotFoundError(
             f"cache manifest not found at {path}. Was the cache fully written? "

@@ -64,12 +64,16 @@ def manifest_path(cache_dir: str) -> str:
 
 
 def check_no_foreign_files(
-    directory: str, own: Sequence[str] = (MANIFEST_NAME,), own_re: re.Pattern[str] = SHARD_RE, writer: str = "speccache"
+    directory: str,
+    own: Sequence[str] = (MANIFEST_NAME,),
+    own_re: re.Pattern[str] | None = SHARD_RE,
+    writer: str = "speccache",
 ) -> None:
     """Refuse an output directory that holds files ``writer`` does not create (so none of them can be touched).
 
     A writer's own are the names ``own`` (a cache's manifest by default), those ``own_re`` matches (shards), the
     lock, temporary files (``TEMP_RE``) and reclaim records (``RECLAIM_RE``); a missing directory passes.
+    ``own_re`` ``None``: the writer names every file it writes in ``own``.
 
     Raises:
         CacheExistsError: names the directory, the files and the fix.
@@ -80,7 +84,7 @@ def check_no_foreign_files(
         name
         for name in os.listdir(directory)
         if name not in (*own, LOCK_NAME)
-        and not own_re.match(name)
+        and not (own_re is not None and own_re.match(name))
         and not TEMP_RE.match(name)
         and not RECLAIM_RE.match(name)
     )

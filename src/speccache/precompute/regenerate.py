@@ -25,13 +25,21 @@ import itertools
 import json
 import logging
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
 
-from speccache.data import chat_format, file_content_hash, iter_rows, load_chat_tokenizer, tokenizer_hash
+from speccache.data import (
+    chat_format,
+    check_model_source,
+    file_content_hash,
+    iter_rows,
+    load_chat_tokenizer,
+    tokenizer_hash,
+)
 from speccache.data.chat import chat_messages
 from speccache.data.regenerated import (
     REGENERATE_FORMAT,
@@ -103,6 +111,7 @@ class RegenerateConfig:
     gpu_memory_utilization: float | None = None
     part_size: int = 256
     progress: bool = field(default=False, repr=False)
+    """Show the progress bar on stderr (the CLI's, unless ``--quiet``)."""
 
     def validate(self) -> None:
         """Check the settings without the model.
@@ -225,15 +234,42 @@ class _Row:
         return row
 
 
-def _part_rows(rows: list[_Row], generator: Generator) -> None:
+def _part_rows(rows: list[_Row], generator: Generator, progress: _Progress) -> None:
     """Generate every turn of ``rows``: each round answers every row's next turn, the shortest prompts first (the
     ``hf`` generator batches neighbours, so prompts of like lengths are padded together)."""
     while True:
         todo = sorted((r for r in rows if not r.done), key=lambda r: (len(r.ids), r.number))
         if not todo:
             return
-        for r, (new_ids, ended) in zip(todo, generator.generate([r.ids for r in todo], [r.stream for r in todo])):
+        answers = generator.generate([r.ids for r in todo], [r.stream for r in todo], progress.tokens)
+        for r, (new_ids, ended) in zip(todo, answers):
             r.answer(new_ids, ended)
+        progress.rows(sum(r.done for r in todo))
+
+
+class _Progress:
+    """The run's bar on stderr: rows answered in full (rate, and ETA where the number of rows is known), with the
+    tokens generated and tokens/s in its postfix; rows a resumed run finds written count in no rate."""
+
+    def __init__(self, total: int | None, written: int, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            total=total, initial=written, unit="row", desc="regenerate", disable=not enabled, dynamic_ncols=True
+        )
+        self.generated = 0
+        self.start = time.monotonic()
+
+    def tokens(self, n: int) -> None:
+        """``n`` more tokens generated."""
+        self.generated += n
+        rate = self.generated / max(time.monotonic() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{self.generated} tokens, {rate:.0f} tok/s", refresh=False)
+        self.bar.update(0)  # redraws at tqdm's own pace: a long answer moves the tokens while no row ends
+
+    def rows(self, n: int) -> None:
+        """``n`` more rows answered in full."""
+        self.bar.update(n)
 
 
 # ---------------------------------------------------------------------------
@@ -323,6 +359,7 @@ def regenerate(config: RegenerateConfig) -> RegenerateResult:
         raise CacheExistsError(
             f"--out {out} already holds a regenerate run; pass --resume to continue it, or choose a new directory"
         )
+    check_model_source(config.model)
     ensure_writable_dir(out)
     tokenizer = load_chat_tokenizer(config.model, config.chat_template)
     fmt = chat_format(tokenizer, config.chat_template)
@@ -352,8 +389,6 @@ def regenerate(config: RegenerateConfig) -> RegenerateResult:
 
 
 def _run(config: RegenerateConfig, fmt: ChatFormat, tokenizer: Any, out: str, record: dict[str, Any]) -> None:
-    from tqdm import tqdm
-
     done = len(record["parts"])
     rows = itertools.islice(_rows(config), done * config.part_size, None)
 
@@ -388,12 +423,14 @@ def _run(config: RegenerateConfig, fmt: ChatFormat, tokenizer: Any, out: str, re
         ]
 
     states = next_part()  # a bad row of the first part fails before the target starts
-    bar = tqdm(total=config.limit, unit="row", desc="regenerate", disable=not config.progress, dynamic_ncols=True)
-    bar.update(done * config.part_size)
+    total = config.limit
+    if config.progress:  # the rows of the input, for the bar's ETA (a pass that reads no model)
+        total = sum(1 for _ in _rows(config))
+    progress = _Progress(total, done * config.part_size, config.progress)
     try:
-        with bar:
+        with progress.bar:
             while states:
-                _part_rows(states, generator)
+                _part_rows(states, generator, progress)
                 lines = "".join(json.dumps(s.to_json(), ensure_ascii=False) + "\n" for s in states).encode("utf-8")
                 name = part_name(len(record["parts"]))
                 durable.atomic_write(os.path.join(out, name), functools.partial(_write_file, data=lines))
@@ -409,7 +446,6 @@ def _run(config: RegenerateConfig, fmt: ChatFormat, tokenizer: Any, out: str, re
                 )
                 record["counts"] = _counts(record)
                 _write_record(out, record)
-                bar.update(len(states))
                 states = next_part()
     finally:
         generator.close()
@@ -478,15 +514,16 @@ def add_regenerate_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_gpu_memory_utilization_argument(p)
     p.add_argument("--part-size", type=int, default=256, help="rows per part file (default 256)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
     """Run ``speccache regenerate``."""
-    import sys
-
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
-    config = RegenerateConfig(**options, progress=sys.stderr.isatty())
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "func", "quiet")}
+    config = RegenerateConfig(**options, progress=not args.quiet)
     result = regenerate(config)
+    if args.quiet:
+        return 0
     print(
         f"{result.out}: {result.rows} rows, {result.turns} answers, {result.generated_tokens} generated tokens, "
         f"{result.truncated_rows} rows cut at --max-new-tokens, in {result.parts} parts"

@@ -32,6 +32,7 @@ from speccache.data import (
     DataStats,
     TokenizedSamples,
     chat_format,
+    check_model_source,
     data_root,
     file_content_hash,
     is_hub_id,
@@ -51,7 +52,7 @@ from speccache.methods.base import DTYPES, Method, MethodPlan, PrePass, dtype_na
 from speccache.methods.finite import SKIP_REASON, ClearedCounter, check_nonfinite_mode
 from speccache.methods.registry import METHODS, method_for
 from speccache.precompute.append import DATA_FIELDS, AppendedDataset, merge_stats, plan_append
-from speccache.units import human_bytes, parse_bytes
+from speccache.units import counted, human_bytes, parse_bytes
 from speccache.write import (
     CacheWriter,
     Comm,
@@ -327,8 +328,7 @@ class PrecomputeConfig:
             raise ValueError(f"--num-proc must be >= 1, got {self.num_proc}")
         if self.reasoning not in REASONING_MODES:
             raise ValueError(f"--reasoning {self.reasoning!r} is unknown; choose one of {', '.join(REASONING_MODES)}")
-        if _looks_local(self.model) and not os.path.isdir(self.model):
-            raise FileNotFoundError(f"--model {self.model}: no such model directory")
+        check_model_source(self.model)
         engine_class(self.engine).check_flags(self)
         if self.out and os.path.exists(self.out) and not os.path.isdir(self.out):
             raise NotADirectoryError(f"--out {self.out} is a file; give a directory for the cache")
@@ -350,11 +350,6 @@ def check_out_outside_data(out: str, root: str) -> None:
             "own files would change it, so the cache could never be resumed or appended to; write the cache "
             f"outside {root}"
         )
-
-
-def _looks_local(model: str) -> bool:
-    # A hub id is "name" or "org/name"; anything that exists, or looks like a path, is a local directory.
-    return os.path.exists(model) or model.startswith((".", "/", "~")) or model.count("/") > 1
 
 
 def _parse_layers(text: str | None, flag: str = "--aux-layers") -> list[int] | None:
@@ -678,10 +673,10 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
             groups.from_writer(begin)  # the group's other ranks compute the same shards
             assert run is not None
             todo_samples = sum(shard_samples(i, writer.manifest.num_samples, cfg.shard_size) for i in run.shards)
-            bar = _Progress(todo_samples, enabled=progress and comm.rank == 0)
+            bar = _Progress(todo_samples, progress and comm.rank == 0, writer.shard_writer.records)
 
             def on_batch(out: dict[str, torch.Tensor]) -> None:
-                bar.update(int(out[LENGTHS_KEY].numel()), int(out[LENGTHS_KEY].sum()), writer.shard_writer.records)
+                bar.update(int(out[LENGTHS_KEY].numel()), int(out[LENGTHS_KEY].sum()))
 
             cleared = ClearedCounter(run.write_shard)
             cleared.count_kept(cfg.out, plan.schema, sorted(set(writer.local_shards) - set(run.shards)))
@@ -776,17 +771,20 @@ def summary_line(manifest: Manifest, seconds: float) -> str:
         padded = int(stats.get("padded_probs_bytes", 0))
         padding = f"padded to --max-length, {manifest.config.get('max_length')} tokens"
     if not total or not padded:
-        ratio = "-"
+        ratio = ""
     else:  # a few samples of a target with a large side file can take more than the padded shards
         ratio = f"{padded / total:.1f}x smaller" if padded >= total else f"{total / padded:.1f}x larger"
-    skipped = sum((stats.get("skipped_rows") or {}).values())
+        ratio = f"; this cache is {ratio} than that"
+    skipped = counted(sum((stats.get("skipped_rows") or {}).values()), "row") + " skipped"
+    if SKIPPED_ROWS_FILE in manifest.side_files:
+        skipped += f", listed in {os.path.join(os.path.dirname(manifest.path), SKIPPED_ROWS_FILE)}"
     computed = stats.get("computed_tokens")
-    work = f" ({computed / tokens:.2f}x computed with padding)" if computed else ""
+    work = f" (the target computed {computed / tokens:.2f}x as many with padding)" if computed else ""
     return (
-        f"speccache: {manifest.num_samples} samples ({skipped} rows skipped), {manifest.num_tokens or 0} "
+        f"speccache: {counted(manifest.num_samples, 'sample')} ({skipped}), {manifest.num_tokens or 0} "
         f"tokens{work}, {human_bytes(total)} in all ({total / tokens:.0f} bytes/token: shards "
         f"{human_bytes(shard_bytes)}, {shard_bytes / tokens:.0f} bytes/token, + side files {human_bytes(side_bytes)}) "
-        f"in {seconds:.1f}s; padded full-probability layout ({padding}) would take {human_bytes(padded)} ({ratio})"
+        f"in {seconds:.1f}s; padded full-probability layout ({padding}) would take {human_bytes(padded)}{ratio}"
         + "".join(
             f"; {key} error: relative RMS {e['rms']:.4f}, max {e['max']:.4f} of row amax"
             for key, e in sorted((stats.get("encoding_error") or {}).items())
@@ -795,26 +793,36 @@ def summary_line(manifest: Manifest, seconds: float) -> str:
 
 
 class _Progress:
-    """A tqdm bar over samples with tokens/s and MB/s written in its postfix."""
+    """A tqdm bar over this run's samples with its tokens/s and MB/s written in the postfix.
 
-    def __init__(self, total: int, enabled: bool) -> None:
+    ``records`` is the writer's shard table, read at each update; the shards it holds at the start (kept by a
+    resume, or an append's earlier shards) were not written by this run, so they count in no rate.
+    """
+
+    def __init__(self, total: int, enabled: bool, records: dict[int, Any]) -> None:
         from tqdm import tqdm
 
         self.bar = tqdm(total=total, unit="sample", desc="precompute", disable=not enabled, dynamic_ncols=True)
         self.tokens = 0
+        self.records, self.kept = records, set(records)
         self.start = time.monotonic()
 
-    def update(self, samples: int, tokens: int, records: dict[int, Any]) -> None:
+    def update(self, samples: int, tokens: int) -> None:
         self.tokens += tokens
-        elapsed = max(time.monotonic() - self.start, 1e-9)
-        written = sum(r.bytes for r in list(records.values()))
-        self.bar.set_postfix_str(
-            f"{self.tokens / elapsed:.0f} tok/s, {written / elapsed / 1e6:.1f} MB/s written", refresh=False
-        )
+        self._rates()
         self.bar.update(samples)
 
     def close(self) -> None:
+        """Show the run's rates over its whole time, the last shards' writes included, and close the bar."""
+        self._rates()
         self.bar.close()
+
+    def _rates(self) -> None:
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        written = sum(r.bytes for i, r in list(self.records.items()) if i not in self.kept)
+        # shards are written whole in the background: until the first is done there is no rate to show
+        bytes_rate = f", {written / elapsed / 1e6:.1f} MB/s written" if written else ""
+        self.bar.set_postfix_str(f"{self.tokens / elapsed:.0f} tok/s{bytes_rate}", refresh=False)
 
 
 # ---------------------------------------------------------------------------

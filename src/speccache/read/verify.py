@@ -66,11 +66,16 @@ def verify_cache(cache_dir: str, progress: Iterable[int] | None = None) -> Verif
 
     Returns:
         The report; ``report.ok`` when nothing is wrong.
+
+    Raises:
+        FileNotFoundError: ``cache_dir`` is not a directory (a wrong path rather than a broken cache).
     """
     report = VerifyReport(cache_dir)
     try:
         manifest = Manifest.read(cache_dir)
     except FileNotFoundError as exc:
+        if not os.path.isdir(cache_dir):  # not a cache at all: there is nothing to report on
+            raise
         report.problems.append(Problem(MANIFEST_NAME, str(exc)))
         return report
     except SpeccacheError as exc:

@@ -9,8 +9,10 @@ from typing import Any
 
 import torch
 
+from speccache.data import check_model_source
 from speccache.devices import target_device
 from speccache.methods.base import DTYPES, dtype_name
+from speccache.units import counted
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -48,13 +50,21 @@ def cmd_train(args: argparse.Namespace) -> int:
         else None,
         log=lambda line: print(line, flush=True),
     )
-    first = sum(result.losses[:10]) / max(1, len(result.losses[:10]))
-    last = sum(result.losses[-10:]) / max(1, len(result.losses[-10:]))
     print(
-        f"{args.out}: EAGLE-3 draft trained {result.steps} steps in {result.seconds:.1f}s; "
-        f"loss {first:.4f} (first 10 steps) -> {last:.4f} (last 10)"
+        f"{args.out}: EAGLE-3 draft trained {counted(result.steps, 'step')} in {result.seconds:.1f}s; "
+        + loss_summary(result.losses)
     )
     return 0
+
+
+def loss_summary(losses: list[float]) -> str:
+    """How the loss moved: the mean of the first steps and of the last (at most 10 each, never the same steps)."""
+    if len(losses) < 2:
+        return f"loss {losses[0]:.4f} (one step)" if losses else "no step taken"
+    n = min(10, len(losses) // 2)
+    steps = "step" if n == 1 else f"{n} steps"
+    first, last = sum(losses[:n]) / n, sum(losses[-n:]) / n
+    return f"loss {first:.4f} (mean of the first {steps}) -> {last:.4f} (of the last {steps})"
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -65,6 +75,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from speccache.train.plots import acceptance_chart, chart_path, not_drawn
 
     chart = chart_path(args.json) if args.json else None  # refused before the minutes of evaluation
+    if args.model:
+        check_model_source(args.model)
     model_dtype = DTYPES[dtype_name(args.model_dtype, "--model-dtype")]
     device = target_device(args.device)
     torch.set_num_threads(args.threads)
@@ -101,7 +113,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         proposers: dict[str, Proposer] = {"draft": DraftProposer(draft), "prompt_lookup": PromptLookup()}
         if ngram is not None:
             proposers["ngram"] = ngram
-        spec = speculative(runner, prompts, proposers, args.k, args.max_new_tokens, eos_ids(model))
+        spec = speculative(runner, prompts, proposers, args.k, args.max_new_tokens, eos_ids(model), not args.quiet)
         report["speculative"] = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, **spec}
         print(f"speculative greedy decoding, {len(prompts)} prompts, k={args.k}, max {args.max_new_tokens} new tokens:")
         for name, r in spec.items():
@@ -182,4 +194,5 @@ def register_commands(sub: Any) -> None:
     p.add_argument(
         "--json", default=None, help="also write the report to this JSON file, and its chart beside it (.png)"
     )
+    p.add_argument("--quiet", action="store_true", help="no progress bar while decoding")
     p.set_defaults(func=cmd_evaluate)

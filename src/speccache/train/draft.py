@@ -32,6 +32,7 @@ from transformers import Cache, DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from speccache.format.durable import atomic_write
+from speccache.format.names import check_no_foreign_files
 from speccache.methods.decoder import cache_argument
 
 __all__ = ["DraftConfig", "Eagle3Draft", "check_new_draft_dir", "draft_record", "load_draft", "save_draft"]
@@ -42,6 +43,8 @@ CONFIG = "config.json"
 # written beside the draft by speccache train: one JSON line per optimizer step, and its picture
 TRAIN_LOG = "train_log.jsonl"
 LOSS_CURVE = "loss.png"
+DRAFT_FILES = (CONFIG, WEIGHTS, TRAIN_LOG, LOSS_CURVE)
+"""Every file ``speccache train`` writes into ``--out``: any other name there is the user's, and refused."""
 
 
 @dataclass
@@ -214,13 +217,16 @@ class Eagle3Draft(nn.Module):
 
 
 def check_new_draft_dir(out: str) -> None:
-    """Refuse a directory that already holds a draft (nothing that exists is overwritten).
+    """Refuse a directory that already holds a draft, or files :func:`save_draft` does not write (nothing that
+    exists is overwritten or mixed with a draft).
 
     Raises:
         FileExistsError: ``out`` holds a ``config.json`` or ``model.safetensors``.
+        CacheExistsError: ``out`` holds other files (a ``FileExistsError`` too).
     """
     if os.path.exists(os.path.join(out, WEIGHTS)) or os.path.exists(os.path.join(out, CONFIG)):
         raise FileExistsError(f"--out {out} already holds a draft; choose a new directory")
+    check_no_foreign_files(out, DRAFT_FILES, None, "speccache train")
 
 
 def save_draft(draft: Eagle3Draft, out: str, extra: Mapping[str, Any] | None = None) -> None:
@@ -263,8 +269,11 @@ def draft_record(path: str) -> dict[str, Any]:
     training cache), ``target``, ``training``.
 
     Raises:
+        FileNotFoundError: ``path`` is not a directory.
         ValueError: the directory's ``config.json`` is not one :func:`save_draft` wrote.
     """
+    if not os.path.isdir(path):  # a mistyped path: say so rather than name a config.json inside it
+        raise FileNotFoundError(f"no such directory: {path} (no draft there); check the path")
     with open(os.path.join(path, CONFIG), encoding="utf-8") as f:
         record = json.load(f).get("speccache")
     if not isinstance(record, dict) or "draft_config" not in record:

@@ -340,8 +340,14 @@ def speculative(
     k: int,
     max_new_tokens: int,
     eos_ids: Sequence[int],
+    progress: bool = False,
 ) -> dict[str, dict[str, Any]]:
-    """tau, seconds and speed-up of each proposer against plain greedy decoding, and whether outputs agree."""
+    """tau, seconds and speed-up of each proposer against plain greedy decoding, and whether outputs agree.
+
+    ``progress``: a bar on stderr over every method's prompts, with the method and its tokens/s.
+    """
+    from tqdm import tqdm
+
     runs: dict[str, dict[str, Any]] = {}
     greedy: list[list[int]] = []
     # A method's first run pays one-time costs (allocations, kernel choice; on CUDA, loading each kernel at its first
@@ -350,6 +356,9 @@ def speculative(
     methods: dict[str, Proposer | None] = {"greedy": None, **proposers}
     for proposer in methods.values() if prompts else ():
         speculative_generate(runner, prompts[0], proposer, k, max_new_tokens, eos_ids)
+    bar = tqdm(
+        total=len(methods) * len(prompts), unit="prompt", desc="evaluate", disable=not progress, dynamic_ncols=True
+    )
     for name, proposer in methods.items():
         tokens = forwards = 0
         identical = True
@@ -361,9 +370,13 @@ def speculative(
             identical &= new == greedy[i]
             tokens += len(new)
             forwards += n
+            # every method pays the same for its bar (a few microseconds a prompt), so the speed-ups stay fair
+            bar.set_postfix_str(f"{name}, {tokens / (time.perf_counter() - started):.0f} tok/s", refresh=False)
+            bar.update()
         seconds = time.perf_counter() - started
         runs[name] = {"tokens": tokens, "forwards": forwards, "tau": tokens / max(forwards, 1), "seconds": seconds}
         runs[name]["identical_to_greedy"] = identical
+    bar.close()
     for run in runs.values():
         run["speedup"] = runs["greedy"]["seconds"] / run["seconds"] if run["seconds"] else 0.0
     return runs
