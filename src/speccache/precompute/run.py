@@ -25,6 +25,7 @@ import xxhash
 from torch.utils.data import DataLoader, Dataset
 
 from speccache.data import (
+    DROPPED_FIELDS_FILE,
     REASONING_MODES,
     SAMPLE_TURN_KEY,
     SKIPPED_ROWS_FILE,
@@ -32,7 +33,9 @@ from speccache.data import (
     DataStats,
     TokenizedSamples,
     chat_format,
+    check_dropped_mode,
     data_root,
+    dropped_summary,
     file_content_hash,
     is_hub_id,
     load_chat_tokenizer,
@@ -141,6 +144,12 @@ def add_precompute_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="count and skip rows that fail (malformed, template errors, unplaceable masks) instead of failing",
     )
+    p.add_argument(
+        "--on-dropped",
+        default="warn",
+        help="a row whose rendering lacks a field it carries (tool calls, tools, reasoning, a content): warn "
+        "(default: kept, counted, listed in dropped_fields.jsonl), skip (left out, counted) or fail",
+    )
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file to use instead of the tokenizer's")
     p.add_argument("--system-prompt", default=None, help="a system message added to rows that have none")
     p.add_argument(
@@ -189,6 +198,7 @@ class PrecomputeConfig:
     encodings: dict[str, str] = field(default_factory=dict)
     limit: int | None = None
     skip_bad_rows: bool = False
+    on_dropped: str = "warn"
     chat_template: str | None = None
     system_prompt: str | None = None
     reasoning: str = "keep"
@@ -243,6 +253,7 @@ class PrecomputeConfig:
             encodings=parse_encodings(args.encode),
             limit=args.limit,
             skip_bad_rows=args.skip_bad_rows,
+            on_dropped=getattr(args, "on_dropped", "warn"),
             chat_template=getattr(args, "chat_template", None),
             system_prompt=getattr(args, "system_prompt", None),
             reasoning=getattr(args, "reasoning", "keep"),
@@ -317,6 +328,7 @@ class PrecomputeConfig:
             raise ValueError(f"--num-proc must be >= 1, got {self.num_proc}")
         if self.reasoning not in REASONING_MODES:
             raise ValueError(f"--reasoning {self.reasoning!r} is unknown; choose one of {', '.join(REASONING_MODES)}")
+        check_dropped_mode(self.on_dropped)
         if _looks_local(self.model) and not os.path.isdir(self.model):
             raise FileNotFoundError(f"--model {self.model}: no such model directory")
         engine_class(self.engine).check_flags(self)
@@ -467,6 +479,7 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
         **({"tools_hash": _json_hash(fmt.tools)} if fmt is not None and fmt.tools is not None else {}),
         **({"turns": cfg.turns} if cfg.turns != "all" else {}),
         **({"expand_turns": True} if cfg.expand_turns else {}),
+        **({"on_dropped": cfg.on_dropped} if cfg.on_dropped != "warn" else {}),
         # chunks change the features' rounding, as batches do: a resume computes the same ones
         **({"prefill_chunk": cfg.prefill_chunk} if cfg.prefill_chunk is not None else {}),
         "engine": cfg.engine,
@@ -479,7 +492,11 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
 def _load_data(cfg: PrecomputeConfig, tokenizer: Any, fmt: Any, comm: Comm) -> tuple[TokenizedSamples, DataStats]:
     """Tokenize the data; under torchrun (without --limit) each rank reads every world_size-th row, then all join."""
     kwargs = dict(
-        skip_bad_rows=cfg.skip_bad_rows, fmt=fmt, num_proc=cfg.num_proc or default_num_proc(), split=cfg.data_split
+        skip_bad_rows=cfg.skip_bad_rows,
+        fmt=fmt,
+        num_proc=cfg.num_proc or default_num_proc(),
+        split=cfg.data_split,
+        on_dropped=cfg.on_dropped,
     )
     if comm.world_size == 1 or cfg.limit is not None:
         return load_samples(cfg.data, tokenizer, cfg.max_length, limit=cfg.limit, **kwargs)
@@ -657,6 +674,9 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
         # skipped_rows.jsonl is written only when a row was skipped, so a clean dataset's cache has no empty file.
         skipped_file = SideFile(SKIPPED_ROWS_FILE, content=lambda: skipped, rewritten_on_append=True)
         side_files = (side_file, skipped_file) if skipped else (side_file,)
+        dropped = plan.stats.dropped_rows_jsonl(plan.manifest_config["data"])
+        if dropped and extension is None:  # like skipped_rows.jsonl, only when a row drops a field
+            side_files += (SideFile(DROPPED_FIELDS_FILE, content=lambda: dropped),)
         with contextlib.ExitStack() as stack:
             run: WriteRun | None = None
 
@@ -695,6 +715,7 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
                 "rows_read": plan.stats.rows_read,
                 "skipped_rows": dict(sorted(plan.stats.skipped.items())),
                 "rows_truncated": plan.stats.rows_truncated,
+                **({"dropped_fields": dict(sorted(plan.stats.dropped.items()))} if plan.stats.dropped else {}),
                 "samples": len(plan.samples),
                 "tokens": plan.num_tokens,
                 "computed_tokens": computed_tokens(plan.samples.lengths.tolist(), cfg)
@@ -770,10 +791,12 @@ def summary_line(manifest: Manifest, seconds: float) -> str:
     else:  # a few samples of a target with a large side file can take more than the padded shards
         ratio = f"{padded / total:.1f}x smaller" if padded >= total else f"{total / padded:.1f}x larger"
     skipped = sum((stats.get("skipped_rows") or {}).values())
+    dropped = dropped_summary(stats.get("dropped_fields") or {})
     computed = stats.get("computed_tokens")
     work = f" ({computed / tokens:.2f}x computed with padding)" if computed else ""
     return (
-        f"speccache: {manifest.num_samples} samples ({skipped} rows skipped), {manifest.num_tokens or 0} "
+        f"speccache: {manifest.num_samples} samples ({skipped} rows skipped{'; ' * bool(dropped)}{dropped}), "
+        f"{manifest.num_tokens or 0} "
         f"tokens{work}, {human_bytes(total)} in all ({total / tokens:.0f} bytes/token: shards "
         f"{human_bytes(shard_bytes)}, {shard_bytes / tokens:.0f} bytes/token, + side files {human_bytes(side_bytes)}) "
         f"in {seconds:.1f}s; padded full-probability layout ({padding}) would take {human_bytes(padded)} ({ratio})"
