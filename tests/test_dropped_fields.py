@@ -14,7 +14,9 @@ from speccache.data.template import INLINE_REASONING, dropped_fields
 from speccache.format import load_manifest_json, manifest_path
 from test_chat_templates import (
     CALL,
+    HARMONY_TOOLS_LIKE,
     LLAMA31_TOOLS_LIKE,
+    MISTRAL_V3_LIKE,
     QWEN3_FIELD_LIKE,
     QWEN25_TOOLS_LIKE,
     R1_LIKE,
@@ -60,6 +62,11 @@ def test_templates_that_render_everything_report_nothing_dropped(qwen3_tok, tool
     single = [TOOL_ROW[0], {"role": "assistant", "content": " Four. ", "reasoning_content": "\nTwo and two.\n"}]
     assert _dropped(qwen3_tok, QWEN3_FIELD_LIKE, single) == []
     assert _dropped(tool_tok, LLAMA31_TOOLS_LIKE, _tool_row(call), TOOLS) == []
+    harmony = _tool_row(call, thinking="I should look it up.")
+    assert _dropped(tool_tok, HARMONY_TOOLS_LIKE, harmony, TOOLS) == []
+    # a tool result written through tojson (Mistral v0.3's [TOOL_RESULTS]) has its quotes escaped
+    result = {**TOOL_ROW[2], "content": '{"sky": "sunny",\n "temp": 21}'}
+    assert _dropped(tool_tok, MISTRAL_V3_LIKE, [*_tool_row(call)[:2], result, TOOL_ROW[3]], TOOLS) == []
 
 
 def test_what_a_template_leaves_out_is_reported_per_message_and_field(qwen3_tok, tool_tok):  # noqa: F811

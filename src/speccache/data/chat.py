@@ -63,8 +63,8 @@ from speccache.data.template import (
     MistralCommonFormat,
     RowFailure,
     chat_format,
-    conversation_samples,
     dropped_fields,
+    samples_and_text,
     tokenizer_template,
     tool_list,
 )
@@ -836,9 +836,7 @@ def _encode(
             f"{where}: chat rows need a tokenizer with a chat template, and this tokenizer has none; "
             "pass --chat-template FILE, use a target whose tokenizer defines chat_template, or pre-tokenized rows"
         )
-    samples = conversation_samples(tokenizer, fmt, messages, where, tools)
-    # The decoded tokens, not the rendering: mistral-common has none, and --expand-turns renders one per sample.
-    text = "\n".join(tokenizer.decode(ids.tolist(), skip_special_tokens=False) for _, ids, _ in samples)
+    samples, text = samples_and_text(tokenizer, fmt, messages, where, tools)
     if fmt.expand_turns:  # its samples end with the last assistant turn
         messages = messages[: max(i for i, m in enumerate(messages) if m["role"] == "assistant") + 1]
     return samples, dropped_fields(messages, fmt.tools if tools is None else tools, text)

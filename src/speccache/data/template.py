@@ -55,6 +55,7 @@ __all__ = [
     "load_template_file",
     "load_tools_file",
     "mask_conversation",
+    "samples_and_text",
     "split_generated_reasoning",
     "text_after_turn",
     "today",
@@ -731,11 +732,25 @@ def mask_conversation(
     Raises:
         RowFailure: the template rejects the conversation, or its assistant turns cannot be located.
     """
+    ids, mask, _ = _masked_text(tokenizer, fmt, messages, where, tools, turns)
+    return ids, mask
+
+
+def _masked_text(
+    tokenizer: Any,
+    fmt: ChatFormat | MistralCommonFormat,
+    messages: list[dict],
+    where: str,
+    tools: list[dict] | None = None,
+    turns: str | None = None,
+) -> tuple[np.ndarray, np.ndarray, str]:
+    """:func:`mask_conversation`'s ids and mask, and the text they encode (decoded where mistral-common encodes)."""
     messages = fmt.with_system_prompt(messages)
     tools = fmt.tools if tools is None else tools
     turns = turns or fmt.turns
     if isinstance(fmt, MistralCommonFormat):
-        return _mistral_common_mask(fmt, messages, where, tools, turns)
+        ids, mask = _mistral_common_mask(fmt, messages, where, tools, turns)
+        return ids, mask, tokenizer.decode(ids.tolist(), skip_special_tokens=False)
     use_markers = fmt.has_generation_markers and not (
         fmt.reasoning == "mask" and any(_has_reasoning(m) for m in messages if m["role"] == "assistant")
     )
@@ -747,7 +762,7 @@ def mask_conversation(
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     ids = np.asarray(encoded["input_ids"], dtype=np.int32)
     offsets = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-    return ids, _spans_to_mask(text, offsets, spans)
+    return ids, _spans_to_mask(text, offsets, spans), text
 
 
 def conversation_samples(
@@ -765,30 +780,54 @@ def conversation_samples(
     Raises:
         RowFailure: as :func:`mask_conversation`.
     """
+    return samples_and_text(tokenizer, fmt, messages, where, tools)[0]
+
+
+def samples_and_text(
+    tokenizer: Any,
+    fmt: ChatFormat | MistralCommonFormat,
+    messages: list[dict],
+    where: str,
+    tools: list[dict] | None = None,
+) -> tuple[list[tuple[int, np.ndarray, np.ndarray]], str]:
+    """:func:`conversation_samples`, and the text of its samples (joined by newlines) for :func:`dropped_fields`.
+
+    Raises:
+        RowFailure: as :func:`mask_conversation`.
+    """
     if not fmt.expand_turns:
-        return [(-1, *mask_conversation(tokenizer, fmt, messages, where, tools))]
+        ids, mask, text = _masked_text(tokenizer, fmt, messages, where, tools)
+        return [(-1, ids, mask)], text
     ends = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    return [
-        (k, *mask_conversation(tokenizer, fmt, messages[: end + 1], f"{where} (turn {k})", tools, "last"))
+    done = [
+        _masked_text(tokenizer, fmt, messages[: end + 1], f"{where} (turn {k})", tools, "last")
         for k, end in enumerate(ends)
     ]
+    return [(k, ids, mask) for k, (ids, mask, _) in enumerate(done)], "\n".join(text for _, _, text in done)
 
 
 def _squashed(text: str) -> str:
     return "".join(text.split())
 
 
-def _value_forms(value: Any) -> list[list[str]]:
-    """For each leaf value of a tool call's arguments, the ways a template may write it (raw, JSON, Python)."""
+def _leaves(value: Any) -> list[Any]:
+    """The leaf values of a tool call's arguments (or a text itself)."""
     if isinstance(value, dict):
-        return [forms for v in value.values() for forms in _value_forms(v)]
+        return [leaf for v in value.values() for leaf in _leaves(v)]
     if isinstance(value, list):
-        return [forms for v in value for forms in _value_forms(v)]
-    if isinstance(value, str):
-        forms = [value, json.dumps(value, ensure_ascii=False)[1:-1], json.dumps(value)[1:-1], repr(value)[1:-1]]
-    else:
-        forms = [json.dumps(value), str(value)]
-    return [[_squashed(f) for f in forms]]
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
+
+
+def _written(value: Any, text: str) -> bool:
+    """Whether squashed ``text`` holds ``value`` as a template may write it: raw, as JSON (either escaping, as a
+    tool result through ``tojson``) or as Python would; the other forms are built only when the raw one is absent."""
+    if not isinstance(value, str):
+        return json.dumps(value) in text or str(value) in text
+    if _squashed(value) in text:
+        return True
+    forms = (json.dumps(value, ensure_ascii=False)[1:-1], json.dumps(value)[1:-1], repr(value)[1:-1])
+    return any(_squashed(form) in text for form in forms)
 
 
 def dropped_fields(messages: list[dict], tools: list[dict] | None, rendered: str) -> list[tuple[int, str]]:
@@ -809,8 +848,8 @@ def dropped_fields(messages: list[dict], tools: list[dict] | None, rendered: str
     """
     text = _squashed(rendered)
 
-    def shown(piece: Any) -> bool:
-        return not isinstance(piece, str) or _squashed(piece) in text
+    def shown(value: Any) -> bool:  # a text may be written as JSON (a tool result through tojson) or as Python would
+        return value is None or all(_written(leaf, text) for leaf in _leaves(value))
 
     out: list[tuple[int, str]] = []
     names = [t.get("function", t).get("name") for t in tools or ()]
@@ -829,8 +868,7 @@ def dropped_fields(messages: list[dict], tools: list[dict] | None, rendered: str
             out.append((i, INLINE_REASONING))
         for call in message.get("tool_calls") or () if assistant else ():
             function = call["function"]
-            values = _value_forms(function.get("arguments"))
-            if not shown(function["name"]) or not all(any(f in text for f in forms) for forms in values):
+            if not shown(function["name"]) or not shown(function.get("arguments")):
                 out.append((i, "tool_calls"))
                 break
     return out
