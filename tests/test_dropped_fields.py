@@ -193,3 +193,37 @@ def test_every_row_error_names_its_cause_and_the_flag_that_skips(tool_tok, tmp_p
         assert cause in str(failure.value) and str(failure.value).count("--skip-bad-rows") == 1
         _, stats = load_samples(str(tmp_path / "r.jsonl"), tool_tok, 256, fmt=fmt, skip_bad_rows=True)
         assert stats.rows_skipped == 1 and cause in stats.skipped_rows[0].detail
+
+
+def test_an_append_lists_its_dropped_fields_after_the_cache_s_once_even_when_killed_and_rerun(
+    real_model, tmp_path, monkeypatch
+):
+    from speccache.methods import finite
+
+    first = _write_rows(tmp_path)
+    second = tmp_path / "e.jsonl"
+    second.write_text(json.dumps({"messages": _tool_row(CALL)}) + "\n" + json.dumps({"messages": TOOL_ROW}) + "\n")
+    out = tmp_path / "cache"
+    assert main(_argv(real_model, first, out, "--quiet")) == 0
+    real = finite.ClearedCounter.write_shard
+    calls = []
+
+    def dies_after_one(self, output_dir, index, rows):
+        if calls:
+            raise KeyboardInterrupt  # after the append rewrote the side files and one shard
+        calls.append(index)
+        return real(self, output_dir, index, rows)
+
+    monkeypatch.setattr(finite.ClearedCounter, "write_shard", dies_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        main(_argv(real_model, str(second), out, "--quiet", "--append"))
+    monkeypatch.setattr(finite.ClearedCounter, "write_shard", real)
+    assert main(_argv(real_model, str(second), out, "--quiet", "--append")) == 0
+    lines = [json.loads(line) for line in (out / DROPPED_FIELDS_FILE).read_text().splitlines()]
+    assert [(d["data"], d["row"], d["field"]) for d in lines] == [
+        (first, 0, "tools"), (first, 0, "tool_calls"), (first, 0, "reasoning_content"), (first, 2, "thinking"),
+        (str(second), 0, "tool_calls"), (str(second), 1, "thinking"), (str(second), 1, "tool_calls"),
+    ]  # fmt: skip
+    stats = load_manifest_json(manifest_path(str(out)))["stats"]
+    assert stats["dropped_fields"] == {"reasoning_content": 1, "thinking": 2, "tool_calls": 3, "tools": 1}
+    assert main(["verify", str(out)]) == 0

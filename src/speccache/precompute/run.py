@@ -675,8 +675,10 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
         skipped_file = SideFile(SKIPPED_ROWS_FILE, content=lambda: skipped, rewritten_on_append=True)
         side_files = (side_file, skipped_file) if skipped else (side_file,)
         dropped = plan.stats.dropped_rows_jsonl(plan.manifest_config["data"])
-        if dropped and extension is None:  # like skipped_rows.jsonl, only when a row drops a field
-            side_files += (SideFile(DROPPED_FIELDS_FILE, content=lambda: dropped),)
+        if extension is not None:
+            dropped = extension.dropped_before + dropped
+        if dropped:  # like skipped_rows.jsonl, only when a kept row drops a field
+            side_files += (SideFile(DROPPED_FIELDS_FILE, content=lambda: dropped, rewritten_on_append=True),)
         with contextlib.ExitStack() as stack:
             run: WriteRun | None = None
 
