@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 import pytest
 
 from speccache.cli import main
-from speccache.data import DROPPED_FIELDS_FILE, load_samples, merge_parts
+from speccache.data import DROPPED_FIELDS_FILE, ChatFormat, load_samples, merge_parts
 from speccache.data.template import INLINE_REASONING, dropped_fields
 from speccache.format import load_manifest_json, manifest_path
 from test_chat_templates import (
@@ -51,7 +52,16 @@ def _tool_row(call: dict, **assistant) -> list[dict]:
 
 
 def _dropped(tokenizer, template: str, messages: list[dict], tools=None) -> list[tuple[int, str]]:
-    return dropped_fields(messages, tools, tokenizer.decode(_apply(tokenizer, template, messages, tools)))
+    """What load_samples reports dropped from the row, checked to be what apply_chat_template's text lacks."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "r.jsonl")
+        with open(path, "w") as f:
+            f.write(json.dumps({"messages": messages, **({"tools": tools} if tools else {})}) + "\n")
+        _, stats = load_samples(path, tokenizer, 8192, fmt=ChatFormat.for_tokenizer(tokenizer, template))
+    found = [(d.message, d.field) for d in stats.dropped_rows]
+    assert found == dropped_fields(messages, tools, tokenizer.decode(_apply(tokenizer, template, messages, tools)))
+    assert stats.dropped == {name: 1 for _, name in found}
+    return found
 
 
 @pytest.mark.parametrize("call", [CALL, ODD_CALL], ids=["plain", "escaped"])

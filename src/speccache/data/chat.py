@@ -30,8 +30,12 @@ one sample per assistant turn, and each records its turn beside its ``source_row
 
 Skip reasons (``DataStats.skipped``): ``malformed`` (not a valid row), ``template_error`` (the chat template
 rejected it), ``mask_unplaceable`` (its assistant turns cannot be located), ``no_assistant_token`` (nothing
-to train on), ``no_assistant_within_max_length`` (its assistant tokens all lie beyond ``max_length``). The
-first three are errors unless ``skip_bad_rows``; the last two are always skipped and counted.
+to train on), ``no_assistant_within_max_length`` (its assistant tokens all lie beyond ``max_length``),
+``dropped_fields`` (its rendering lacks a field it carries, with ``on_dropped="skip"``). The first three are
+errors unless ``skip_bad_rows``; the next two are always skipped and counted.
+
+Dropped fields: a chat row's rendering is checked for every field the row carries (:func:`dropped_fields`);
+``on_dropped`` keeps such a row and counts it (``DataStats.dropped``, ``warn``), skips it, or fails.
 """
 
 from __future__ import annotations
@@ -57,7 +61,6 @@ import xxhash
 
 from speccache.data.regenerated import is_regenerated, regenerated_rows
 from speccache.data.template import (
-    INLINE_REASONING,
     REASONING_FIELDS,
     ChatFormat,
     MistralCommonFormat,
@@ -74,7 +77,6 @@ from speccache.format import KeySpec, file_checksum
 __all__ = [
     "DROPPED_FIELDS_FILE",
     "DROPPED_MODES",
-    "INLINE_REASONING",
     "SAMPLE_TURN_KEY",
     "SKIPPED_ROWS_FILE",
     "SOURCE_ROW_KEY",
@@ -285,7 +287,7 @@ class DroppedField:
         row: 0-based row number in the data file.
         where: the row as messages name it (``file:line``).
         message: 0-based index of the message in the row's messages (-1: the row's ``tools``).
-        field: ``content``, ``tool_calls``, ``tools``, the reasoning field's name, or :data:`INLINE_REASONING`.
+        field: ``content``, ``tool_calls``, ``tools``, the reasoning field's name, or ``<think> in content``.
     """
 
     row: int
