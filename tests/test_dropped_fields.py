@@ -237,3 +237,24 @@ def test_an_append_lists_its_dropped_fields_after_the_cache_s_once_even_when_kil
     stats = load_manifest_json(manifest_path(str(out)))["stats"]
     assert stats["dropped_fields"] == {"reasoning_content": 1, "thinking": 2, "tool_calls": 3, "tools": 1}
     assert main(["verify", str(out)]) == 0
+
+
+def test_a_mistral_common_target_reports_only_what_mistral_common_leaves_out(tmp_path):
+    mistral_common = pytest.importorskip("mistral_common")
+    from transformers.tokenization_mistral_common import MistralCommonBackend
+
+    from speccache.data import chat_format
+    from test_chat_templates import MISTRAL_V3_MODEL, ROWS
+
+    backend = MistralCommonBackend(os.path.join(os.path.dirname(mistral_common.__file__), "data", MISTRAL_V3_MODEL))
+    odd = {**ODD_CALL, "id": "abcdefghi", "function": {**ODD_CALL["function"], "arguments": {"city": 'Zürich "x"'}}}
+    result = {"role": "tool", "tool_call_id": "abcdefghi", "content": '{"sky": "sunny"}'}
+    rows = [
+        {"messages": TOOL_ROW, "tools": TOOLS},  # its assistant's "thinking" is not a field mistral-common reads
+        {"messages": ROWS["system_prompt"]},
+        {"messages": [TOOL_ROW[0], {"role": "assistant", "tool_calls": [odd]}, result, TOOL_ROW[3]], "tools": TOOLS},
+    ]
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    samples, stats = load_samples(str(path), backend, 4096, fmt=chat_format(backend))
+    assert len(samples) == 3 and [(d.row, d.message, d.field) for d in stats.dropped_rows] == [(0, 1, "thinking")]

@@ -750,7 +750,8 @@ def _masked_text(
     turns = turns or fmt.turns
     if isinstance(fmt, MistralCommonFormat):
         ids, mask = _mistral_common_mask(fmt, messages, where, tools, turns)
-        return ids, mask, tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+        # Decoded without the special tokens: with them, SentencePiece's "▁" stays in place of spaces.
+        return ids, mask, _mistral_encoder(fmt.tokenizer_path).decode(ids.tolist())
     use_markers = fmt.has_generation_markers and not (
         fmt.reasoning == "mask" and any(_has_reasoning(m) for m in messages if m["role"] == "assistant")
     )
