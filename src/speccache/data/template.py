@@ -21,7 +21,8 @@ The turns are found without assuming the template is prefix-stable:
    leaves, in the gaps, the exact rendered text of each, whatever the template did to it (stripped,
    reasoning moved or dropped). A turn starts where the rendering leaves its generation prompt (a render
    of the conversation before it with the prompt, and without where that is not a prefix of the whole;
-   at its first gap where the conversation before it renders otherwise) and ends with the special token
+   where the conversation before it renders otherwise, after the longest tail of that prompt found before
+   its first gap, else at that gap) and ends with the special token
    that closes its content (after optional whitespace) or its last tool call.
 
 Character spans become token masks through the fast tokenizer's offsets.
