@@ -758,9 +758,17 @@ MISTRAL_V3_SYSTEM_LIKE = """
 """
 
 
-def test_mistral_v3_think_opener_is_supervised_when_a_system_prompt_is_left_out_of_the_rendering(mistral_v3):
+# Mistral-Nemo's: the same system handling, no space after [INST] nor before the answer.
+MISTRAL_NEMO_SYSTEM_LIKE = MISTRAL_V3_SYSTEM_LIKE.replace("'[INST] '", "'[INST]'").replace(
+    "' ' + m.content", "m.content"
+)
+
+
+@pytest.mark.parametrize("template", [MISTRAL_V3_SYSTEM_LIKE, MISTRAL_NEMO_SYSTEM_LIKE], ids=["v0.3", "nemo"])
+def test_mistral_think_opener_is_supervised_when_a_system_prompt_is_left_out_of_the_rendering(mistral_v3, template):
     tok, _ = mistral_v3
-    fmt = ChatFormat.for_tokenizer(tok, MISTRAL_V3_SYSTEM_LIKE)
+    assert MISTRAL_NEMO_SYSTEM_LIKE.count("'[INST]'") == 2 and "' ' + m.content" not in MISTRAL_NEMO_SYSTEM_LIKE
+    fmt = ChatFormat.for_tokenizer(tok, template)
     system = {"role": "system", "content": "Be brief."}
     question = {"role": "user", "content": "What is 17 * 23?"}
     answer = {"role": "assistant", "content": "<think>\n17*23=391.\n</think>\n\n391."}
@@ -770,9 +778,11 @@ def test_mistral_v3_think_opener_is_supervised_when_a_system_prompt_is_left_out_
         bare_ids, bare_mask = mask_conversation(tok, fmt, row, "m.jsonl:1")
         assert "Be brief" in fmt.render([system, question], "m")[0]  # the turn's prompt has it, the rendering not
         assert ids.tolist() == bare_ids.tolist() and mask.tolist() == bare_mask.tolist()
-        tokens = tok.convert_ids_to_tokens(ids.tolist())
-        openers = [i for i in range(len(tokens) - 2) if tokens[i : i + 3] == ["▁<", "think", ">"]]
-        assert len(openers) == len(row) // 2 and all(mask[i : i + 3].tolist() == [1, 1, 1] for i in openers)
+        masked = tok.decode(ids[mask.astype(bool)].tolist())
+        assert masked.count("<think>") == len(row) // 2  # each turn's opener, with its answer
+        if template == MISTRAL_V3_SYSTEM_LIKE:  # the issue's repro: these three tokens were left at 0
+            supervised = [t for t, m in zip(tok.convert_ids_to_tokens(ids.tolist()), mask) if m]
+            assert supervised[:3] == ["▁<", "think", ">"]
         text = fmt.render(row, "m")[0]
         expected = [m["content"].strip() + "</s>" for m in row if m["role"] == "assistant"]
         assert mask.tolist() == checker_mask(tok, text, row, expected, "[/INST]").tolist()
