@@ -741,3 +741,76 @@ def test_a_tokenizer_without_a_jinja_template_is_encoded_by_mistral_common(mistr
         assert (sample.input_ids, sample.loss_mask) == (ids.tolist(), mask.tolist())
     last, _ = load_samples(str(path), backend, 4096, fmt=chat_format(backend, turns="last"))
     assert _masked(fast, last[1]) == "Nine, of course.</s>"
+
+
+# Mistral v0.3's (and Mistral-Nemo's) system handling: the system prompt goes into the user turn only when that
+# turn is the conversation's last, so a rendering that ends with an assistant turn has none.
+MISTRAL_V3_SYSTEM_LIKE = """
+{{- bos_token -}}
+{%- if messages[0].role == 'system' -%}{%- set sys = messages[0].content -%}{%- set msgs = messages[1:] -%}
+{%- else -%}{%- set msgs = messages -%}{%- endif -%}
+{%- for m in msgs -%}
+{%- if m.role == 'user' -%}
+{%- if loop.last and sys is defined -%}{{- '[INST] ' + sys + '\\n\\n' + m.content + '[/INST]' -}}
+{%- else -%}{{- '[INST] ' + m.content + '[/INST]' -}}{%- endif -%}
+{%- elif m.role == 'assistant' -%}{{- ' ' + m.content | trim + eos_token -}}{%- endif -%}
+{%- endfor -%}
+"""
+
+
+# Mistral-Nemo's: the same system handling, no space after [INST] nor before the answer.
+MISTRAL_NEMO_SYSTEM_LIKE = MISTRAL_V3_SYSTEM_LIKE.replace("'[INST] '", "'[INST]'").replace(
+    "' ' + m.content", "m.content"
+)
+
+
+@pytest.mark.parametrize("template", [MISTRAL_V3_SYSTEM_LIKE, MISTRAL_NEMO_SYSTEM_LIKE], ids=["v0.3", "nemo"])
+def test_mistral_think_opener_is_supervised_when_a_system_prompt_is_left_out_of_the_rendering(mistral_v3, template):
+    tok, _ = mistral_v3
+    assert MISTRAL_NEMO_SYSTEM_LIKE.count("'[INST]'") == 2 and "' ' + m.content" not in MISTRAL_NEMO_SYSTEM_LIKE
+    fmt = ChatFormat.for_tokenizer(tok, template)
+    system = {"role": "system", "content": "Be brief."}
+    question = {"role": "user", "content": "What is 17 * 23?"}
+    answer = {"role": "assistant", "content": "<think>\n17*23=391.\n</think>\n\n391."}
+    again = {"role": "assistant", "content": "<think>\nIt is 391.\n</think>\n\nStill 391."}
+    for row in ([question, answer], [question, answer, Q2, again]):
+        ids, mask = mask_conversation(tok, fmt, [system, *row], "m.jsonl:1")
+        bare_ids, bare_mask = mask_conversation(tok, fmt, row, "m.jsonl:1")
+        assert "Be brief" in fmt.render([system, question], "m")[0]  # the turn's prompt has it, the rendering not
+        assert ids.tolist() == bare_ids.tolist() and mask.tolist() == bare_mask.tolist()
+        masked = tok.decode(ids[mask.astype(bool)].tolist())
+        assert masked.count("<think>") == len(row) // 2  # each turn's opener, with its answer
+        if template == MISTRAL_V3_SYSTEM_LIKE:  # the issue's repro: these three tokens were left at 0
+            supervised = [t for t, m in zip(tok.convert_ids_to_tokens(ids.tolist()), mask) if m]
+            assert supervised[:3] == ["▁<", "think", ">"]
+        text = fmt.render(row, "m")[0]
+        expected = [m["content"].strip() + "</s>" for m in row if m["role"] == "assistant"]
+        assert mask.tolist() == checker_mask(tok, text, row, expected, "[/INST]").tolist()
+
+
+# --- an OpenAI tool-call turn with "content": null ---------------------------------------------------------------
+
+NULL_CONTENT_TEMPLATES = {
+    "chatml": CHATML,
+    "qwen25_like": QWEN25_TOOLS_LIKE,
+    "llama31_like": LLAMA31_TOOLS_LIKE,
+    "harmony_like": HARMONY_TOOLS_LIKE,
+    "mistral_v3_like": MISTRAL_V3_LIKE,
+}
+
+
+@pytest.mark.parametrize("name", sorted(NULL_CONTENT_TEMPLATES))
+def test_a_null_content_tool_call_turn_renders_as_an_empty_content(tool_tok, tmp_path, name):
+    template = NULL_CONTENT_TEMPLATES[name]
+    null = [TOOL_ROW[0], {"role": "assistant", "content": None, "tool_calls": [CALL]}, *TOOL_ROW[2:]]
+    path = tmp_path / "n.jsonl"
+    path.write_text(json.dumps({"messages": null, "tools": TOOLS}) + "\n")
+    fmt = ChatFormat.for_tokenizer(tool_tok, template)
+    (sample,), stats = load_samples(str(path), tool_tok, 4096, fmt=fmt)
+    empty = [TOOL_ROW[0], {**null[1], "content": ""}, *TOOL_ROW[2:]]
+    assert sample.input_ids == _apply(tool_tok, template, empty, TOOLS)
+    with pytest.raises(Exception):  # what a template does with the null itself
+        _apply(tool_tok, CHATML, null, TOOLS)
+    assert stats.rows_skipped == 0
+    if name != "chatml":  # the templates that render tool calls supervise this one
+        assert "Paris" in _masked(tool_tok, sample)

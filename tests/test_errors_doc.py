@@ -561,6 +561,8 @@ TRIGGERS: dict[str, T] = {
     "data path is a directory but not a saved Hugging Face dataset": lambda e: _load(e.tmp),
     "cannot locate the assistant turns": lambda e: _row_with_template("{{ messages[-1].content * 2 }}"),
     "the chat template rejected the conversation": lambda e: _row_with_template("{{ raise_exception('no') }}"),
+    "the chat template drops": lambda e: _dropping_row(e.tmp),
+    "--on-dropped": lambda e: __import__("speccache.data").data.check_dropped_mode("loud"),
     "cannot read the template": lambda e: __import__("speccache.data").data.load_template_file(str(e.tmp)),
     "unsupported data file extension": lambda e: _data_file(e, "rows.csv", b"a,b"),
     "not valid UTF-8": lambda e: _data_file(e, "rows.json", b'["\xff"]'),
@@ -629,6 +631,15 @@ def _load(path: Path, split: str | None = None) -> None:
     from speccache.data import load_samples
 
     load_samples(str(path), _tokenizer(), 64, split=split)
+
+
+def _dropping_row(tmp: Path) -> None:
+    from speccache.data import load_samples
+
+    path = tmp / "rows.jsonl"
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "thinking": "hm"}]}
+    path.write_text(json.dumps(row) + "\n")
+    load_samples(str(path), _tokenizer(), 64, on_dropped="fail")
 
 
 def _mistral_common_row(row: Any) -> None:

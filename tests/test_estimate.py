@@ -122,6 +122,8 @@ def assert_same_rows(est: dict, cache: str) -> None:
     assert [{k: r[k] for k in ("row", "reason", "detail")} for r in est["skipped_rows"]] == [
         {k: r[k] for k in ("row", "reason", "detail")} for r in written
     ]
+    assert est["data_stats"]["dropped"] == stats.get("dropped_fields", {})
+    assert sorted(est["side_files"]) == sorted(manifest["side_files"])
     for name, size in est["side_files"].items():
         assert size == manifest["side_files"][name]["bytes"], name
 
@@ -216,21 +218,21 @@ def test_skipped_rows_of_a_json_list_are_named_by_index(demo_target, tmp_path, c
 
 
 def test_every_count_of_the_data_stats_is_reported(demo_target, monkeypatch, capsys):
-    """A count the data statistics gain (fields a chat template dropped, say) shows in both reports unasked."""
+    """A count the data statistics gain shows in both reports unasked."""
     import dataclasses
 
     from speccache.data import chat
 
     @dataclasses.dataclass
     class MoreStats(chat.DataStats):
-        dropped: dict[str, int] = dataclasses.field(default_factory=lambda: {"tool_calls": 2, "reasoning_content": 1})
+        renamed: dict[str, int] = dataclasses.field(default_factory=lambda: {"human": 2, "gpt": 1})
 
     monkeypatch.setattr(chat, "DataStats", MoreStats)
     argv = ["estimate", "--model", demo_target, "--data", demo_data_path(), "--limit", "2", "--max-length", "64"]
     assert main([*argv, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["data_stats"]["dropped"] == {"reasoning_content": 1, "tool_calls": 2}
+    assert json.loads(capsys.readouterr().out)["data_stats"]["renamed"] == {"gpt": 1, "human": 2}
     assert main(argv) == 0
-    assert "\ndropped    reasoning_content 1, tool_calls 2\n" in capsys.readouterr().out
+    assert "\nrenamed    gpt 1, human 2\n" in capsys.readouterr().out
 
 
 # --- the real target (SmolLM2-135M-Instruct): tool calls, a long row, a row too long, bf16 and fp32 -----------------
@@ -267,6 +269,9 @@ def test_real_target_long_and_tool_rows_fp32(real_model, real_data, tmp_path, ca
         "no_assistant_within_max_length": 1,
     }
     assert f"skipped    no_assistant_within_max_length 1: {real_data}:5\n" in text
+    # SmolLM2's ChatML template renders neither tool calls nor tools: estimate says so as precompute does
+    assert est["data_stats"]["dropped"]["tool_calls"] >= 1 and "dropped_fields.jsonl" in est["side_files"]
+    assert "\ndropped    the chat template drops what rows carry" in text
     assert "(weights in float32, --model-dtype fp32)" in text
 
 

@@ -30,8 +30,12 @@ one sample per assistant turn, and each records its turn beside its ``source_row
 
 Skip reasons (``DataStats.skipped``): ``malformed`` (not a valid row), ``template_error`` (the chat template
 rejected it), ``mask_unplaceable`` (its assistant turns cannot be located), ``no_assistant_token`` (nothing
-to train on), ``no_assistant_within_max_length`` (its assistant tokens all lie beyond ``max_length``). The
-first three are errors unless ``skip_bad_rows``; the last two are always skipped and counted.
+to train on), ``no_assistant_within_max_length`` (its assistant tokens all lie beyond ``max_length``),
+``dropped_fields`` (its rendering lacks a field it carries, with ``on_dropped="skip"``). The first three are
+errors unless ``skip_bad_rows``; the next two are always skipped and counted.
+
+Dropped fields: a chat row's rendering is checked for every field the row carries (:func:`dropped_fields`);
+``on_dropped`` keeps such a row and counts it (``DataStats.dropped``, ``warn``), skips it, or fails.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import os
 import signal
 import threading
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +66,8 @@ from speccache.data.template import (
     MistralCommonFormat,
     RowFailure,
     chat_format,
-    conversation_samples,
+    dropped_fields,
+    samples_and_text,
     tokenizer_template,
     tool_list,
 )
@@ -70,16 +75,21 @@ from speccache.errors import DataError
 from speccache.format import KeySpec, file_checksum
 
 __all__ = [
+    "DROPPED_FIELDS_FILE",
+    "DROPPED_MODES",
     "SAMPLE_TURN_KEY",
     "SKIPPED_ROWS_FILE",
     "SOURCE_ROW_KEY",
     "DataStats",
+    "DroppedField",
     "SkippedRow",
     "TokenizedSample",
     "TokenizedSamples",
     "chat_messages",
     "chat_template_of",
+    "check_dropped_mode",
     "data_root",
+    "dropped_summary",
     "file_content_hash",
     "iter_rows",
     "load_samples",
@@ -108,6 +118,9 @@ _CHUNK = 4096
 SOURCE_ROW_KEY = "source_row"
 SAMPLE_TURN_KEY = "sample_turn"
 SKIPPED_ROWS_FILE = "skipped_rows.jsonl"
+DROPPED_FIELDS_FILE = "dropped_fields.jsonl"
+DROPPED_MODES = ("warn", "skip", "fail")
+DROPPED = "dropped_fields"
 NO_ASSISTANT = "no_assistant_token"
 BEYOND_MAX_LENGTH = "no_assistant_within_max_length"
 
@@ -271,6 +284,23 @@ class SkippedRow:
         return f"{path}:{self.row + 1}" if _data_kind(path) == "lines" else f"{path}[{self.row}]"
 
 
+@dataclass(frozen=True)
+class DroppedField:
+    """A field of a kept row that its rendering lacks (one line of ``dropped_fields.jsonl``).
+
+    Attributes:
+        row: 0-based row number in the data file.
+        where: the row as messages name it (``file:line``).
+        message: 0-based index of the message in the row's messages (-1: the row's ``tools``).
+        field: ``content``, ``tool_calls``, ``tools``, the reasoning field's name, or ``<think> in content``.
+    """
+
+    row: int
+    where: str
+    message: int
+    field: str
+
+
 @dataclass
 class DataStats:
     """What :func:`load_samples` read and dropped.
@@ -280,17 +310,36 @@ class DataStats:
         rows_truncated: Kept samples that were cut to ``max_length``.
         skipped: ``{reason: count}`` of the rows left out.
         skipped_rows: every row left out, in file order.
+        dropped: ``{field: rows}``: kept rows whose rendering lacks that field (``--on-dropped warn``).
+        dropped_rows: every such field, in file order.
     """
 
     rows_read: int = 0
     rows_truncated: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     skipped_rows: list[SkippedRow] = field(default_factory=list)
+    dropped: dict[str, int] = field(default_factory=dict)
+    dropped_rows: list[DroppedField] = field(default_factory=list)
 
     def skip(self, row: int, reason: str, detail: str) -> None:
         """Record one skipped row."""
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
         self.skipped_rows.append(SkippedRow(row, reason, detail))
+
+    def drop(self, fields: Sequence[DroppedField]) -> None:
+        """Record the dropped fields of one kept row (a row counts once per field name)."""
+        for name in dict.fromkeys(f.field for f in fields):
+            self.dropped[name] = self.dropped.get(name, 0) + 1
+        self.dropped_rows.extend(fields)
+
+    def dropped_rows_jsonl(self, data: str) -> bytes:
+        """The lines of ``dropped_fields.jsonl`` for data file ``data``: one ``{"row", "where", "message", "field",
+        "data"}`` object per dropped field."""
+        lines = (
+            json.dumps({"row": d.row, "where": d.where, "message": d.message, "field": d.field, "data": data}) + "\n"
+            for d in self.dropped_rows
+        )
+        return "".join(lines).encode("utf-8")
 
     @property
     def rows_skipped(self) -> int:
@@ -588,9 +637,7 @@ def _parse_line(raw: bytes, where: str, first: bool) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        return _row_error(
-            f"{where}: invalid JSON ({e.msg}, column {e.colno}); fix or remove the line, or skip bad rows"
-        )
+        return _row_error(f"{where}: invalid JSON ({e.msg}, column {e.colno}); fix or remove the line")
 
 
 def _not_an_object(where: str, value: Any) -> RowFailure:
@@ -669,7 +716,10 @@ def _openai_message(turn: dict, name: str) -> dict:
     message = dict(turn)
     if turn["role"] == "assistant" and turn.get("tool_calls") is not None:
         message["tool_calls"] = _tool_calls(turn["tool_calls"], f"{name}.tool_calls")
-    if not (turn.get("content") is None and message.get("tool_calls")):
+    if turn.get("content") is None and message.get("tool_calls"):
+        # OpenAI's tool-call turn; "" as serving engines pass it, since most templates concatenate the content.
+        message["content"] = ""
+    else:
         message["content"] = _text(turn.get("content"), f"{name}.content")
     for key in REASONING_FIELDS:
         if turn.get(key) is not None and not isinstance(turn[key], str):
@@ -773,24 +823,30 @@ def _pretokenized_turns(
     return [(-1, ids, only(*runs[-1]) if runs else mask)]
 
 
-def _encode(row: Any, tokenizer: Any, fmt: ChatFormat | MistralCommonFormat | None, where: str) -> list[_Sample] | None:
-    """Full-length samples of a row (one, or one per assistant turn), or None when it has no assistant message."""
+def _encode(
+    row: Any, tokenizer: Any, fmt: ChatFormat | MistralCommonFormat | None, where: str
+) -> tuple[list[_Sample] | None, list[tuple[int, str]]]:
+    """Full-length samples of a row (one, or one per assistant turn; None when it has no assistant message), and
+    the ``(message, field)`` pairs the row carries but its samples' text lacks (see :func:`dropped_fields`)."""
     if not isinstance(row, dict):
         raise _not_an_object(where, row)
     if "input_ids" in row:
         # The ids win over any chat text beside them: they are exactly what the model saw and wrote (rows of
         # speccache regenerate carry both), and its text re-tokenized may differ.
         ids, mask = _pretokenized(row, tokenizer, where)
-        return _pretokenized_turns(ids, mask, fmt)
+        return _pretokenized_turns(ids, mask, fmt), []
     messages, tools = chat_messages(row, where)
     if not any(m["role"] == "assistant" for m in messages):
-        return None
+        return None, []
     if fmt is None:
         raise DataError(
             f"{where}: chat rows need a tokenizer with a chat template, and this tokenizer has none; "
             "pass --chat-template FILE, use a target whose tokenizer defines chat_template, or pre-tokenized rows"
         )
-    return conversation_samples(tokenizer, fmt, messages, where, tools)
+    samples, text = samples_and_text(tokenizer, fmt, messages, where, tools)
+    if fmt.expand_turns:  # its samples end with the last assistant turn
+        messages = messages[: max(i for i, m in enumerate(messages) if m["role"] == "assistant") + 1]
+    return samples, dropped_fields(messages, fmt.tools if tools is None else tools, text)
 
 
 def chat_messages(row: dict, where: str) -> tuple[list[dict], list[dict] | None]:
@@ -850,7 +906,7 @@ def tokenize_row(
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
-    encoded = _encode(row, tokenizer, fmt or _default_format(tokenizer), where)
+    encoded, _ = _encode(row, tokenizer, fmt or _default_format(tokenizer), where)
     kept = [(turn, ids, mask) for turn, ids, mask in encoded or () if mask[:max_length].any()]
     if not kept:
         return None
@@ -869,6 +925,7 @@ def load_samples(
     num_proc: int = 1,
     part: tuple[int, int] = (0, 1),
     split: str | None = None,
+    on_dropped: str = "warn",
 ) -> tuple[TokenizedSamples, DataStats]:
     """Read and tokenize a data file, in file order.
 
@@ -881,14 +938,17 @@ def load_samples(
         fmt: The chat format (default: the tokenizer's template, reasoning kept, today's date).
         num_proc: Tokenize in this many worker processes (1: in this process).
         part: ``(rank, world)``: read only every ``world``-th row from the ``rank``-th (see :func:`merge_parts`).
+        split: The split of a saved ``DatasetDict`` or hub dataset.
+        on_dropped: A row whose rendering lacks a field it carries (:func:`dropped_fields`) is kept and counted
+            in ``DataStats.dropped`` (``warn``), skipped as ``dropped_fields`` (``skip``), or an error (``fail``).
 
     Returns:
-        The usable samples (possibly none) and what was read and skipped.
+        The usable samples (possibly none) and what was read, skipped and dropped.
 
     Raises:
         DataError: The file cannot be read or parsed as a whole; a row fails and ``skip_bad_rows``
-            is false; chat rows but no chat template.
-        ValueError: ``max_length`` < 1, ``limit`` < 0, ``num_proc`` < 1, or a bad ``part``.
+            is false; a row's rendering drops a field under ``on_dropped="fail"``; chat rows but no chat template.
+        ValueError: ``max_length`` < 1, ``limit`` < 0, ``num_proc`` < 1, a bad ``part`` or ``on_dropped``.
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
@@ -896,6 +956,7 @@ def load_samples(
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
     if num_proc < 1:
         raise ValueError(f"num_proc must be >= 1, got {num_proc}")
+    check_dropped_mode(on_dropped)
     rank, world = part
     if not 0 <= rank < world or (world > 1 and limit is not None):
         raise ValueError(f"part must be (rank, world) with 0 <= rank < world, and no limit when world > 1; got {part}")
@@ -906,16 +967,22 @@ def load_samples(
     fmt = fmt or _default_format(tokenizer)
     rows = (r for i, r in enumerate(_raw_rows(path, split)) if i % world == rank)
     with _Encoder(tokenizer, fmt, num_proc) as encoder:
-        for row_no, encoded, error in encoder.encode(rows):
+        for row_no, where, encoded, error, dropped in encoder.encode(rows):
             stats.rows_read += 1
+            if error is None and dropped and on_dropped != "warn":
+                error = _dropped_error(where, dropped, on_dropped)
             if error is not None:
-                if not skip_bad_rows or not isinstance(error, RowFailure):
+                if not isinstance(error, RowFailure) or not (skip_bad_rows or error.reason == DROPPED):
                     error.row = row_no  # type: ignore[attr-defined]  # which rank's error comes first
+                    if isinstance(error, RowFailure) and "--skip-bad-rows" not in str(error):
+                        error.args = (f"{error} (or skip such rows with --skip-bad-rows)",)
                     raise error
                 stats.skip(row_no, error.reason, str(error))
                 continue
-            if _keep(builder, stats, row_no, encoded, max_length) and limit is not None and len(builder) >= limit:
-                break
+            if _keep(builder, stats, row_no, encoded, max_length):
+                stats.drop([DroppedField(row_no, where, message, name) for message, name in dropped])
+                if limit is not None and len(builder) >= limit:
+                    break
     return builder.build(), stats
 
 
@@ -937,7 +1004,46 @@ def merge_parts(parts: Sequence[tuple[TokenizedSamples, DataStats]]) -> tuple[To
         stats.rows_truncated += part_stats.rows_truncated
     for skipped in heapq.merge(*(s.skipped_rows for _, s in parts), key=lambda r: r.row):
         stats.skip(skipped.row, skipped.reason, skipped.detail)
+    for _, fields in itertools.groupby(
+        heapq.merge(*(s.dropped_rows for _, s in parts), key=lambda d: d.row), lambda d: d.row
+    ):
+        stats.drop(list(fields))
     return builder.build(), stats
+
+
+def check_dropped_mode(mode: str) -> None:
+    """Refuse an unknown ``--on-dropped`` mode.
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`DROPPED_MODES`.
+    """
+    if mode not in DROPPED_MODES:
+        raise ValueError(f"--on-dropped {mode!r} is unknown; choose one of {', '.join(DROPPED_MODES)}")
+
+
+def _dropped_error(where: str, dropped: list[tuple[int, str]], mode: str) -> DataError:
+    """The error of a row whose rendering drops fields: a ``RowFailure`` counted under ``dropped_fields`` when
+    ``mode`` skips such rows, else a ``DataError`` that ``--skip-bad-rows`` does not skip."""
+    fields = ", ".join(("tools" if i < 0 else f"messages[{i}].{name}") for i, name in dropped)
+    if mode == "skip":
+        return RowFailure(f"{where}: the chat template drops {fields} from the rendering (--on-dropped skip)", DROPPED)
+    return DataError(
+        f"{where}: the chat template drops {fields} from the rendering, so the draft would never see it "
+        "(--on-dropped fail); pass a --chat-template that renders it, or keep such rows with --on-dropped warn, "
+        "or leave them out with --on-dropped skip"
+    )
+
+
+def dropped_summary(dropped: Mapping[str, int]) -> str:
+    """The summary's words on the fields the chat template drops from kept rows, per field (``DataStats.dropped``
+    or the manifest's ``stats["dropped_fields"]``); "" when it drops none."""
+    if not dropped:
+        return ""
+    counts = ", ".join(f"{name} in {n} row{'s' * (n != 1)}" for name, n in sorted(dropped.items()))
+    return (
+        f"the chat template drops what rows carry, unseen by the draft: {counts}, listed in {DROPPED_FIELDS_FILE} "
+        "(--on-dropped skip|fail)"
+    )
 
 
 def _keep(
@@ -961,21 +1067,23 @@ def _keep(
     return True
 
 
-_Encoded = tuple[int, "list[_Sample] | None", "DataError | None"]
+# (row, where, samples or None, error or None, dropped (message, field) pairs)
+_Encoded = tuple[int, str, "list[_Sample] | None", "DataError | None", "list[tuple[int, str]]"]
 _WORKER: dict[str, Any] = {}
 _ROWS_PER_TASK = 64
 
 
 def _encode_rows(rows: list[tuple[int, str, Any]]) -> list[_Encoded]:
-    """``(row, encoded or None, error or None)`` for each row; in a worker process or in this one."""
+    """``(row, where, encoded or None, error or None, dropped)`` for each row; in a worker process or in this one."""
     out: list[_Encoded] = []
     for row_no, where, value in rows:
         try:
             if isinstance(value, DataError):
                 raise value
-            out.append((row_no, _encode(value, _WORKER["tokenizer"], _WORKER["fmt"], where), None))
+            encoded, dropped = _encode(value, _WORKER["tokenizer"], _WORKER["fmt"], where)
+            out.append((row_no, where, encoded, None, dropped))
         except DataError as e:
-            out.append((row_no, None, e))
+            out.append((row_no, where, None, e, []))
     return out
 
 

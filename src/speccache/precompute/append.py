@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from speccache.data import SAMPLE_TURN_KEY, SKIPPED_ROWS_FILE, SOURCE_ROW_KEY
+from speccache.data import DROPPED_FIELDS_FILE, SAMPLE_TURN_KEY, SKIPPED_ROWS_FILE, SOURCE_ROW_KEY
 from speccache.errors import CacheCorruptError, CacheExistsError, CacheIncompleteError, DataError
 from speccache.format import Manifest, NativeShard, load_manifest_json, manifest_path, shard_path
 from speccache.read.view import CACHE_DATA_FIELDS
@@ -56,6 +56,7 @@ class AppendPlan:
         stats_before: the sealed cache's statistics, which the new run's are added to.
         skipped_before: the lines of ``skipped_rows.jsonl`` that list the skipped rows of the cache's earlier data
             files, each naming its file; the new file's lines follow them.
+        dropped_before: the same for ``dropped_fields.jsonl``.
     """
 
     base: int
@@ -65,6 +66,7 @@ class AppendPlan:
     tail_start: int
     stats_before: dict[str, Any]
     skipped_before: bytes
+    dropped_before: bytes = b""
 
 
 def plan_append(out: str, run_config: Mapping[str, Any], new_samples: int, shard_size: int) -> AppendPlan:
@@ -91,25 +93,29 @@ def plan_append(out: str, run_config: Mapping[str, Any], new_samples: int, shard
             f"--append: the data of {entry['data']} is already in {out} (same content hash); nothing was changed"
         )
     skipped = _skipped_lines(out, str(config.get("data")))
+    dropped = _skipped_lines(out, str(config.get("data")), DROPPED_FIELDS_FILE)
     if resuming:
         base, stats_before = int(appended[-1]["first_sample"]), dict(appended[-1]["stats_before"])
         # A killed append may have written its file's lines already: keep those of the earlier files only.
         skipped = skipped[: int(appended[-1].get("skipped_rows_before", len(skipped)))]
+        dropped = dropped[: int(appended[-1].get("dropped_fields_before", 0))]  # recorded when not 0
     else:
         base, stats_before = int(body["num_samples"]), dict(body.get("stats") or {})
         before = {"first_sample": base, "stats_before": stats_before, "skipped_rows_before": len(skipped)}
-        appended.append({**entry, **before})
+        appended.append({**entry, **before, **({"dropped_fields_before": len(dropped)} if dropped else {})})
     settings = {k: v for k, v in run_config.items() if k not in DATA_FIELDS}
     merged = {**settings, **{k: config[k] for k in DATA_FIELDS if k in config}, "appended": appended}
     tail_start = base - base % shard_size
     tail = _stored_tokens(out, body, tail_start // shard_size, base - tail_start) if base > tail_start else []
-    return AppendPlan(base, base + new_samples, merged, tail, tail_start, stats_before, b"".join(skipped))
+    return AppendPlan(
+        base, base + new_samples, merged, tail, tail_start, stats_before, b"".join(skipped), b"".join(dropped)
+    )
 
 
-def _skipped_lines(out: str, first_data: str) -> list[bytes]:
-    """The lines of the cache's ``skipped_rows.jsonl``, each naming its data file (a line written before lines named
-    theirs lists a row of the cache's first file, ``first_data``)."""
-    path = os.path.join(out, SKIPPED_ROWS_FILE)
+def _skipped_lines(out: str, first_data: str, name: str = SKIPPED_ROWS_FILE) -> list[bytes]:
+    """The lines of the cache's ``skipped_rows.jsonl`` (or ``name``), each naming its data file (a line written before
+    lines named theirs lists a row of the cache's first file, ``first_data``)."""
+    path = os.path.join(out, name)
     if not os.path.exists(path):
         return []
     with open(path, "rb") as f:

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from speccache.data import SKIPPED_ROWS_FILE, DataStats
+from speccache.data import DROPPED_FIELDS_FILE, SKIPPED_ROWS_FILE, DataStats, dropped_summary
 from speccache.format import OFFSETS_KEY, KeySpec, Schema, get_encoding, part_name, safetensors_prefix
 from speccache.format.shard import shard_metadata
 from speccache.methods.base import tied_metadata, ties_embeddings
@@ -258,6 +258,9 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
     skipped_jsonl = plan.stats.skipped_rows_jsonl(data)
     if skipped_jsonl:  # precompute writes the file only when a row was skipped
         side_files[SKIPPED_ROWS_FILE] = len(skipped_jsonl)
+    dropped_jsonl = plan.stats.dropped_rows_jsonl(data)
+    if dropped_jsonl:  # and this one only when a kept row drops a field
+        side_files[DROPPED_FIELDS_FILE] = len(dropped_jsonl)
     side_total = sum(side_files.values())
     tokens = sum(lengths)
     itemsize = DTYPES[cfg.dtype].itemsize
@@ -337,7 +340,10 @@ def _data_lines(est: Mapping[str, Any]) -> list[str]:
         rows = [r["where"] for r in est["skipped_rows"] if r["reason"] == reason]
         more = f", ... ({n} in all; --json lists every row)" if n > _LISTED_ROWS else ""
         lines.append(f"skipped    {reason} {n}: {', '.join(rows[:_LISTED_ROWS])}{more}")
-    # any other count the run records of the data (e.g. fields the chat template dropped) shows here
+    dropped = dropped_summary(counts.pop("dropped", {}))
+    if dropped:
+        lines.append(f"dropped    {dropped}")
+    # any other count the run records of the data shows here
     lines += [f"{name:<10} {_count(value)}" for name, value in counts.items()]
     return lines
 

@@ -25,6 +25,7 @@ import xxhash
 from torch.utils.data import DataLoader, Dataset
 
 from speccache.data import (
+    DROPPED_FIELDS_FILE,
     REASONING_MODES,
     SAMPLE_TURN_KEY,
     SKIPPED_ROWS_FILE,
@@ -32,8 +33,10 @@ from speccache.data import (
     DataStats,
     TokenizedSamples,
     chat_format,
+    check_dropped_mode,
     check_model_source,
     data_root,
+    dropped_summary,
     file_content_hash,
     is_hub_id,
     load_chat_tokenizer,
@@ -152,6 +155,12 @@ def add_precompute_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="count and skip rows that fail (malformed, template errors, unplaceable masks) instead of failing",
     )
+    p.add_argument(
+        "--on-dropped",
+        default="warn",
+        help="a row whose rendering lacks a field it carries (tool calls, tools, reasoning, a content): warn "
+        "(default: kept, counted, listed in dropped_fields.jsonl), skip (left out, counted) or fail",
+    )
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file to use instead of the tokenizer's")
     p.add_argument("--system-prompt", default=None, help="a system message added to rows that have none")
     p.add_argument(
@@ -200,6 +209,7 @@ class PrecomputeConfig:
     encodings: dict[str, str] = field(default_factory=dict)
     limit: int | None = None
     skip_bad_rows: bool = False
+    on_dropped: str = "warn"
     chat_template: str | None = None
     system_prompt: str | None = None
     reasoning: str = "keep"
@@ -254,6 +264,7 @@ class PrecomputeConfig:
             encodings=parse_encodings(args.encode),
             limit=args.limit,
             skip_bad_rows=args.skip_bad_rows,
+            on_dropped=getattr(args, "on_dropped", "warn"),
             chat_template=getattr(args, "chat_template", None),
             system_prompt=getattr(args, "system_prompt", None),
             reasoning=getattr(args, "reasoning", "keep"),
@@ -328,6 +339,7 @@ class PrecomputeConfig:
             raise ValueError(f"--num-proc must be >= 1, got {self.num_proc}")
         if self.reasoning not in REASONING_MODES:
             raise ValueError(f"--reasoning {self.reasoning!r} is unknown; choose one of {', '.join(REASONING_MODES)}")
+        check_dropped_mode(self.on_dropped)
         check_model_source(self.model)
         engine_class(self.engine).check_flags(self)
         if self.out and os.path.exists(self.out) and not os.path.isdir(self.out):
@@ -472,6 +484,7 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
         **({"tools_hash": _json_hash(fmt.tools)} if fmt is not None and fmt.tools is not None else {}),
         **({"turns": cfg.turns} if cfg.turns != "all" else {}),
         **({"expand_turns": True} if cfg.expand_turns else {}),
+        **({"on_dropped": cfg.on_dropped} if cfg.on_dropped != "warn" else {}),
         # chunks change the features' rounding, as batches do: a resume computes the same ones
         **({"prefill_chunk": cfg.prefill_chunk} if cfg.prefill_chunk is not None else {}),
         "engine": cfg.engine,
@@ -484,7 +497,11 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
 def _load_data(cfg: PrecomputeConfig, tokenizer: Any, fmt: Any, comm: Comm) -> tuple[TokenizedSamples, DataStats]:
     """Tokenize the data; under torchrun (without --limit) each rank reads every world_size-th row, then all join."""
     kwargs = dict(
-        skip_bad_rows=cfg.skip_bad_rows, fmt=fmt, num_proc=cfg.num_proc or default_num_proc(), split=cfg.data_split
+        skip_bad_rows=cfg.skip_bad_rows,
+        fmt=fmt,
+        num_proc=cfg.num_proc or default_num_proc(),
+        split=cfg.data_split,
+        on_dropped=cfg.on_dropped,
     )
     if comm.world_size == 1 or cfg.limit is not None:
         return load_samples(cfg.data, tokenizer, cfg.max_length, limit=cfg.limit, **kwargs)
@@ -662,6 +679,11 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
         # skipped_rows.jsonl is written only when a row was skipped, so a clean dataset's cache has no empty file.
         skipped_file = SideFile(SKIPPED_ROWS_FILE, content=lambda: skipped, rewritten_on_append=True)
         side_files = (side_file, skipped_file) if skipped else (side_file,)
+        dropped = plan.stats.dropped_rows_jsonl(plan.manifest_config["data"])
+        if extension is not None:
+            dropped = extension.dropped_before + dropped
+        if dropped:  # like skipped_rows.jsonl, only when a kept row drops a field
+            side_files += (SideFile(DROPPED_FIELDS_FILE, content=lambda: dropped, rewritten_on_append=True),)
         with contextlib.ExitStack() as stack:
             run: WriteRun | None = None
 
@@ -700,6 +722,7 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
                 "rows_read": plan.stats.rows_read,
                 "skipped_rows": dict(sorted(plan.stats.skipped.items())),
                 "rows_truncated": plan.stats.rows_truncated,
+                **({"dropped_fields": dict(sorted(plan.stats.dropped.items()))} if plan.stats.dropped else {}),
                 "samples": len(plan.samples),
                 "tokens": plan.num_tokens,
                 "computed_tokens": computed_tokens(plan.samples.lengths.tolist(), cfg)
@@ -778,10 +801,12 @@ def summary_line(manifest: Manifest, seconds: float) -> str:
     skipped = counted(sum((stats.get("skipped_rows") or {}).values()), "row") + " skipped"
     if SKIPPED_ROWS_FILE in manifest.side_files:
         skipped += f", listed in {os.path.join(os.path.dirname(manifest.path), SKIPPED_ROWS_FILE)}"
+    dropped = dropped_summary(stats.get("dropped_fields") or {})
     computed = stats.get("computed_tokens")
     work = f" (the target computed {computed / tokens:.2f}x as many with padding)" if computed else ""
     return (
-        f"speccache: {counted(manifest.num_samples, 'sample')} ({skipped}), {manifest.num_tokens or 0} "
+        f"speccache: {counted(manifest.num_samples, 'sample')} ({skipped}{'; ' * bool(dropped)}{dropped}), "
+        f"{manifest.num_tokens or 0} "
         f"tokens{work}, {human_bytes(total)} in all ({total / tokens:.0f} bytes/token: shards "
         f"{human_bytes(shard_bytes)}, {shard_bytes / tokens:.0f} bytes/token, + side files {human_bytes(side_bytes)}) "
         f"in {seconds:.1f}s; padded full-probability layout ({padding}) would take {human_bytes(padded)}{ratio}"
