@@ -25,23 +25,25 @@ import os
 import threading
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 from torch.utils.data import Dataset
 
 from speccache.errors import CacheCorruptError, CacheFormatError, CacheIncompleteError
 from speccache.format import (
+    OFFSETS_KEY,
     Manifest,
     NativeShard,
     Schema,
     ShardFile,
     bytes_view,
     existing_shard_indices,
-    file_checksum,
+    expected_parts,
     get_encoding,
     manifest_path,
     num_shards,
@@ -49,6 +51,7 @@ from speccache.format import (
     validate_contiguous_shards,
 )
 from speccache.format.reclaim import refuse_reclaimed
+from speccache.format.shard import checksum_mismatch, recorded_checksums
 from speccache.format.view import is_view
 
 Sample = dict[str, torch.Tensor]
@@ -84,7 +87,8 @@ class _OpenShard:
     raw rows from the file needs."""
 
     __slots__ = (
-        "shard", "path", "keys", "infos", "bases", "mapped", "long", "row_offsets", "fd", "size", "advice", "ahead"
+        "shard", "path", "keys", "infos", "bases", "mapped", "long", "row_offsets", "fd", "size", "advice", "ahead",
+        "check",
     )  # fmt: skip
 
     def __init__(
@@ -119,6 +123,8 @@ class _OpenShard:
         self.fd: int = shard.file.handle.fileno()  # the file the mapping shows, kept open by the shard
         self.advice = _advice_bytes(os.fstat(self.fd).st_dev)
         """Bytes per ``WILLNEED`` (see :func:`_advice_bytes`)."""
+        self.check: _DataCheck | None = None
+        """This process's pending check of the data read from the shard (``None``: passed, or not asked for)."""
 
     def span(self, key: str, local: int) -> tuple[int, int]:
         """Byte range of sample ``local``'s rows of raw key ``key``, from the key's first row."""
@@ -141,9 +147,22 @@ class _OpenShard:
                 "then restart the reader."
             )
 
+    def check_readable(self) -> None:
+        """Refuse to read from a file that shrank (:meth:`check_size`), or whose data fails its checksums: the
+        first call of a process checks them (or waits for the read-ahead thread that is checking them).
+
+        Raises:
+            CacheCorruptError: the file shrank, or a tensor the reader reads differs from its checksum.
+        """
+        self.check_size()
+        check = self.check
+        if check is not None:
+            check.run()
+            self.check = None
+
     def sample(self, key: str, local: int) -> torch.Tensor:
         """Sample ``local``'s tensor of ``key``, in memory of its own (never a view of the mapping)."""
-        self.check_size()
+        self.check_readable()
         rows = self.shard.rows(key, local, local + 1)
         if self.bases[key] is not None:  # a view of the mapping: copy, so that the caller's edits stay the caller's
             rows = rows.clone()
@@ -317,7 +336,7 @@ def _cached_prefix(source: _OpenShard, dst: memoryview, offset: int) -> int:
         return 0
 
 
-def _pread_into(source: _OpenShard, dst: memoryview, offset: int) -> None:
+def _pread_into(source: _OpenShard | _DataCheck, dst: memoryview, offset: int) -> None:
     done = 0
     while done < len(dst):
         got = os.preadv(source.fd, [dst[done:]], offset + done)
@@ -328,6 +347,77 @@ def _pread_into(source: _OpenShard, dst: memoryview, offset: int) -> None:
                 "Delete the shard and re-run the producer with --resume."
             )
         done += got
+
+
+_CHECK_CHUNK = 1 << 20
+"""Bytes read and hashed at a time by :class:`_DataCheck` (a buffer that stays in the CPU's cache while hashed)."""
+
+
+class _DataCheck:
+    """The check of an open shard's data, once per process: each tensor the reader reads (its keys' parts) hashed
+    against the xxh3-128 the shard's metadata records, before any of their bytes is handed out.
+
+    The tensors are streamed with ``pread`` through one small buffer (not the mapping, whose touched pages would
+    stay mapped), which leaves them in the page cache for the reads that follow, as the read-ahead's own reads
+    do. The read-ahead thread runs it when it reaches it in its queue (the shards ``prefetch`` opens, ahead of
+    their batches); the first read that needs the shard runs it itself if no thread has started it, or waits for
+    the one that has. Tensors the reader does not read are not hashed.
+    """
+
+    def __init__(self, shard: NativeShard, names: Iterable[str], passed: Callable[[], None]) -> None:
+        self.shard = shard  # keeps the file (and so ``fd``) open while the check may run
+        self.path = shard.path
+        self.fd = shard.file.handle.fileno()
+        recorded = recorded_checksums(shard.file)
+        start, entries = shard.file.data_start, shard.file.entries
+        self.tensors = [(n, start + entries[n][2], entries[n][3] - entries[n][2], recorded.get(n)) for n in names]
+        """``(name, file offset, nbytes, recorded checksum)`` of each tensor to check, in file order."""
+        self.tensors.sort(key=operator.itemgetter(1))
+        self._passed = passed
+        self.queued = False
+        """Handed to the read-ahead thread (once is enough)."""
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: CacheCorruptError | None = None
+
+    def run(self, wait: bool = True) -> None:
+        """Check the tensors unless this process did; ``wait=False`` (the read-ahead thread) returns at once if
+        another thread is checking them, and keeps a failure for the reader to raise.
+
+        Raises:
+            CacheCorruptError: (``wait`` only) a tensor differs from its checksum, or the file was truncated.
+        """
+        if self._pid != os.getpid():  # a forked worker: the parent's lock may be held by a thread it lacks
+            self._pid, self._lock = os.getpid(), threading.Lock()
+        if not self._lock.acquire(blocking=wait):
+            return
+        try:
+            if not self._done:
+                try:
+                    self._hash()
+                except CacheCorruptError as exc:
+                    self._error = exc
+                self._done = True
+                if self._error is None:
+                    self._passed()
+        finally:
+            self._lock.release()
+        if wait and self._error is not None:
+            raise CacheCorruptError(str(self._error))
+
+    def _hash(self) -> None:
+        buf = memoryview(bytearray(min(_CHECK_CHUNK, max((t[2] for t in self.tensors), default=0))))
+        for name, offset, nbytes, recorded in self.tensors:
+            h = xxhash.xxh3_128()
+            end = offset + nbytes
+            while offset < end:
+                chunk = buf[: min(len(buf), end - offset)]
+                _pread_into(self, chunk, offset)
+                h.update(chunk)
+                offset += len(chunk)
+            if h.hexdigest() != recorded:
+                raise checksum_mismatch(self.path, name)
 
 
 class _ReadAhead:
@@ -350,8 +440,8 @@ class _ReadAhead:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self._cond = threading.Condition()
-        self._queue: deque[tuple[_OpenShard, int, int, list[tuple[int, int]]]] = deque()
-        """Runs to read: ``(source, offset, nbytes, keys of the ranges in it)``."""
+        self._queue: deque[tuple[_OpenShard, int, int, list[tuple[int, int]]] | _DataCheck] = deque()
+        """Runs to read, ``(source, offset, nbytes, keys of the ranges in it)``, and shards' checks to run."""
         self._pending: dict[tuple[int, int], int] = {}
         """``(id(source), offset)`` of each queued range: the bytes queued up to the end of its run. The queue
         holds ``source``, so its id is nobody else's meanwhile."""
@@ -375,9 +465,21 @@ class _ReadAhead:
                 run[3].append((id(source), offset))
                 self._pending[id(source), offset] = -1  # not queued yet: a duplicate in ``ranges`` is skipped
             self._push(run)
-            if self._queue and not self._running:
-                self._running = True
-                threading.Thread(target=self._run, name="speccache-read-ahead", daemon=True).start()
+            self._start()
+
+    def submit_check(self, check: _DataCheck) -> None:
+        """Queue a shard's data check after the runs queued before it (the reads it makes stream the shard
+        through the page cache as the runs' do); returns at once."""
+        with self._cond:
+            if not check.queued:
+                check.queued = True
+                self._queue.append(check)
+                self._start()
+
+    def _start(self) -> None:
+        if self._queue and not self._running:
+            self._running = True
+            threading.Thread(target=self._run, name="speccache-read-ahead", daemon=True).start()
 
     def _push(self, run: list[Any]) -> None:
         if run:
@@ -415,7 +517,14 @@ class _ReadAhead:
                             self._running = False
                             done = True
                             return
-                        source, offset, nbytes, keys = self._queue.popleft()
+                        item = self._queue.popleft()
+                    if isinstance(item, _DataCheck):
+                        try:
+                            item.run(wait=False)
+                        except OSError:
+                            pass  # the first read of the shard checks it again, and reports what is wrong
+                        continue
+                    source, offset, nbytes, keys = item
                     try:
                         _fill_page_cache(source, offset, nbytes, sink.fileno())
                     except OSError:
@@ -464,13 +573,21 @@ class CacheDataset(Dataset):
     manifest's shard table, its recorded index and counts against the manifest, and the
     manifest file against the one this reader started from, so that a cache regenerated
     in place, or a shard replaced or truncated, raises :class:`CacheCorruptError` instead
-    of mixing data. ``verify`` adds the full checksum, once per process and shard.
+    of mixing data. With ``verify`` (the default) its data is checked too, once per process
+    and shard, before any of it is returned: the xxh3-128 of every tensor the reader reads
+    against the one the shard records, so that a damaged byte raises
+    :class:`CacheCorruptError` naming the shard and the tensor. The check reads the
+    tensors once, overlapped with training where a sampler prefetches (the read-ahead
+    thread runs it), and leaves them in the page cache for the reads that follow; later
+    epochs of the process cost nothing more. ``verify=False`` skips it (documented cost in
+    docs/benchmarks.md): a flipped byte is then returned as read.
 
     Args:
         cache_dir: the cache directory.
         keys: keys to read (default: every key of the schema); a single name is one key.
         cache_name: kind of cache expected; default: whatever the manifest says.
-        verify: check each shard's checksum the first time this process opens it.
+        verify: check the checksums of the tensors read from each shard the first time this process opens it
+            (default); ``False`` returns the bytes unchecked.
         max_open_shards: LRU bound on open shards per process.
         allow_incomplete: read the whole shards of an unsealed cache (the contiguous prefix).
         follow: read the cache while it is written: ``True`` or :class:`speccache.read.follow.Follow` settings
@@ -510,7 +627,7 @@ class CacheDataset(Dataset):
         keys: Sequence[str] | str | None = None,
         *,
         cache_name: str | None = None,
-        verify: bool = False,
+        verify: bool = True,
         max_open_shards: int = 64,
         allow_incomplete: bool = False,
         follow: bool = False,
@@ -615,18 +732,19 @@ class CacheDataset(Dataset):
         self._check_manifest_unchanged(path)
         record = self.manifest.shards.get(index)
         verify = self.verify and index not in self._verified
-        if verify and record is not None and file_checksum(path) != record.checksum:
-            raise CacheCorruptError(
-                f"{path}: file checksum differs from the manifest's shard table (damaged or replaced shard). "
-                "Delete it and re-run the producer with --resume."
-            )
+        schema = self.manifest.schema
+        # A follower checks each sealed shard whole as it opens it; other readers check the row offsets now (the
+        # shard's structure checks read them) and the tensors they read before their first read (_DataCheck).
+        check_now: bool | tuple[str, ...] = False
+        if verify:
+            check_now = True if self.follow else (OFFSETS_KEY,) if OFFSETS_KEY in expected_parts(schema) else ()
         try:
             shard = NativeShard(
                 path,
-                self.manifest.schema,
+                schema,
                 index,
                 self.manifest.shard_samples(index),
-                verify=verify and record is None,
+                verify=check_now,
                 expected_bytes=record.bytes if record is not None else None,
             )
         except OSError as exc:
@@ -638,12 +756,15 @@ class CacheDataset(Dataset):
                     "lower max_open_shards or num_workers, or raise the limit (ulimit -n).",
                 ) from exc
             raise
-        if verify:
+        if verify and self.follow:
             self._verified.add(index)
         if self.follow:  # a reclaimed shard's space is freed only once no descriptor holds it
             for gone in [i for i, o in self._open.items() if _unlinked(o.fd)]:
                 del self._open[gone]
         opened = self._wrap(shard)
+        if verify and not self.follow:
+            parts = expected_parts(self.schema) - {OFFSETS_KEY}
+            opened.check = _DataCheck(shard, parts, functools.partial(self._verified.add, index))
         self._open[index] = opened
         if len(self._open) > self.max_open_shards:
             self._open.popitem(last=False)  # closed once no sample of an in-flight batch refers to it
@@ -730,7 +851,8 @@ class CacheDataset(Dataset):
         cached are announced; short ones rely on the kernel's read-around of the mapping
         (probing and queueing each would cost more than a fault). A background thread
         reads them shard by shard, in the order the indices first need the shards, each
-        in file order, so that the disk streams through them; a batch that needs one of
+        in file order, so that the disk streams through them, first checking the data of
+        a shard not checked yet (``verify``); a batch that needs one of
         them before it is read waits for it. Each shard's reads are queued as soon as
         that shard is open, so that the disk starts on the first shard while the
         others' headers are read.
@@ -738,6 +860,8 @@ class CacheDataset(Dataset):
         probe = memoryview(bytearray(1))
         for shard, locals_ in self._by_shard(indices).items():
             opened = self._open_shard(shard)
+            if opened.check is not None:  # checked on the thread before its runs (which it leaves in the page cache)
+                self._read_ahead().submit_check(opened.check)
             wanted = []
             for key, base in opened.long.items():
                 for local in locals_:
@@ -809,7 +933,7 @@ class CacheDataset(Dataset):
         shard, local = self._split(index)
         opened = self._open_shard(shard)
         first, last = _row_range(rows, opened.row_offsets[local + 1] - opened.row_offsets[local])
-        opened.check_size()
+        opened.check_readable()
         out: dict[str, torch.Tensor] = {}
         for key in names:
             if self.schema[key].ragged:
@@ -905,7 +1029,7 @@ class BatchRows:
         self.starts = [source.row_offsets[local] for source, local in zip(self.sources, self.locals)]
         self.ends = [source.row_offsets[local] for source, local in zip(self.sources, self.nexts)]
         for source in {id(source): source for source in self.sources}.values():
-            source.check_size()  # before any read touches a mapping: a read past a file's end is SIGBUS
+            source.check_readable()  # before any read touches a mapping: a read past a file's end is SIGBUS
 
     def counts(self) -> list[int]:
         """Rows of each sample's ragged keys."""
