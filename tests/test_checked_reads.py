@@ -83,7 +83,7 @@ def test_a_flipped_byte_in_any_tensor_raises_from_the_default_readers(runs, tmp_
         with pytest.raises(CacheCorruptError) as info:
             _read_all(copy)
         assert _names_shard_and_tensor(str(info.value), copy, tensor), str(info.value)
-        # the trainer's path: a prefetching locality sampler (the read-ahead thread checks the shard)
+        # the trainer's path: a prefetching locality sampler, which opens shards ahead of their batches
         loader = build_eagle3_dataloader(copy, batch_size=2, shuffle=True)
         with pytest.raises(CacheCorruptError) as info:
             list(loader)
@@ -129,7 +129,7 @@ def test_each_shard_is_hashed_once_per_process(runs, monkeypatch):
     hashed: list[str] = []
     real = dataset_module._DataCheck._hash
     monkeypatch.setattr(dataset_module._DataCheck, "_hash", lambda self: (hashed.append(self.path), real(self))[1])
-    # one shard open at a time: every shard is reopened in every epoch, and prefetched by the sampler's thread
+    # one shard open at a time: every shard is reopened in every epoch, and opened ahead by the prefetch
     loader = build_eagle3_dataloader(cache, batch_size=2, shuffle=True, max_open_shards=1)
     for epoch in range(3):
         loader.sampler.set_epoch(epoch)

@@ -155,7 +155,7 @@ class _OpenShard:
 
     def check_readable(self) -> None:
         """Refuse to read from a file that shrank (:meth:`check_size`), or whose data fails its checksums: the
-        first call of a process checks them (or waits for the read-ahead thread that is checking them).
+        first call of a process checks them.
 
         Raises:
             CacheCorruptError: the file shrank, or a tensor the reader reads differs from its checksum.
@@ -361,13 +361,13 @@ _CHECK_CHUNK = 1 << 20
 
 class _DataCheck:
     """The check of an open shard's data, once per process: each tensor the reader reads (its keys' parts) hashed
-    against the xxh3-128 the shard's metadata records, before any of their bytes is handed out.
+    against the xxh3-128 the shard's metadata records, by the first read of the shard, before it reads a byte.
 
     The tensors are streamed with ``pread`` through one small buffer (not the mapping, whose touched pages would
-    stay mapped), which leaves them in the page cache for the reads that follow, as the read-ahead's own reads
-    do. The read-ahead thread runs it when it reaches it in its queue (the shards ``prefetch`` opens, ahead of
-    their batches); the first read that needs the shard runs it itself if no thread has started it, or waits for
-    the one that has. Tensors the reader does not read are not hashed.
+    stay mapped), in file order, which leaves them in the page cache for the reads that follow. Tensors the
+    reader does not read are not hashed. Handing the check to the read-ahead thread, to overlap it with the
+    batches of the shard before, was tried and dropped: on the two shared cores measured, the thread's hashing
+    and the main thread's copies slowed each other more than they overlapped (docs/benchmarks.md).
     """
 
     def __init__(self, shard: NativeShard, names: Iterable[str], passed: Callable[[], None]) -> None:
@@ -380,25 +380,20 @@ class _DataCheck:
         """``(name, file offset, nbytes, recorded checksum)`` of each tensor to check, in file order."""
         self.tensors.sort(key=operator.itemgetter(1))
         self._passed = passed
-        self.queued = False
-        """Handed to the read-ahead thread (once is enough)."""
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._done = False
         self._error: CacheCorruptError | None = None
 
-    def run(self, wait: bool = True) -> None:
-        """Check the tensors unless this process did; ``wait=False`` (the read-ahead thread) returns at once if
-        another thread is checking them, and keeps a failure for the reader to raise.
+    def run(self) -> None:
+        """Check the tensors unless this process did (another thread checking them is waited for).
 
         Raises:
-            CacheCorruptError: (``wait`` only) a tensor differs from its checksum, or the file was truncated.
+            CacheCorruptError: a tensor differs from its checksum, or the file was truncated (every call).
         """
         if self._pid != os.getpid():  # a forked worker: the parent's lock may be held by a thread it lacks
             self._pid, self._lock = os.getpid(), threading.Lock()
-        if not self._lock.acquire(blocking=wait):
-            return
-        try:
+        with self._lock:
             if not self._done:
                 try:
                     self._hash()
@@ -407,9 +402,7 @@ class _DataCheck:
                 self._done = True
                 if self._error is None:
                     self._passed()
-        finally:
-            self._lock.release()
-        if wait and self._error is not None:
+        if self._error is not None:
             raise CacheCorruptError(str(self._error))
 
     def _hash(self) -> None:
@@ -446,8 +439,8 @@ class _ReadAhead:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self._cond = threading.Condition()
-        self._queue: deque[tuple[_OpenShard, int, int, list[tuple[int, int]]] | _DataCheck] = deque()
-        """Runs to read, ``(source, offset, nbytes, keys of the ranges in it)``, and shards' checks to run."""
+        self._queue: deque[tuple[_OpenShard, int, int, list[tuple[int, int]]]] = deque()
+        """Runs to read: ``(source, offset, nbytes, keys of the ranges in it)``."""
         self._pending: dict[tuple[int, int], int] = {}
         """``(id(source), offset)`` of each queued range: the bytes queued up to the end of its run. The queue
         holds ``source``, so its id is nobody else's meanwhile."""
@@ -471,21 +464,9 @@ class _ReadAhead:
                 run[3].append((id(source), offset))
                 self._pending[id(source), offset] = -1  # not queued yet: a duplicate in ``ranges`` is skipped
             self._push(run)
-            self._start()
-
-    def submit_check(self, check: _DataCheck) -> None:
-        """Queue a shard's data check after the runs queued before it (the reads it makes stream the shard
-        through the page cache as the runs' do); returns at once."""
-        with self._cond:
-            if not check.queued:
-                check.queued = True
-                self._queue.append(check)
-                self._start()
-
-    def _start(self) -> None:
-        if self._queue and not self._running:
-            self._running = True
-            threading.Thread(target=self._run, name="speccache-read-ahead", daemon=True).start()
+            if self._queue and not self._running:
+                self._running = True
+                threading.Thread(target=self._run, name="speccache-read-ahead", daemon=True).start()
 
     def _push(self, run: list[Any]) -> None:
         if run:
@@ -523,14 +504,7 @@ class _ReadAhead:
                             self._running = False
                             done = True
                             return
-                        item = self._queue.popleft()
-                    if isinstance(item, _DataCheck):
-                        try:
-                            item.run(wait=False)
-                        except OSError:
-                            pass  # the first read of the shard checks it again, and reports what is wrong
-                        continue
-                    source, offset, nbytes, keys = item
+                        source, offset, nbytes, keys = self._queue.popleft()
                     try:
                         _fill_page_cache(source, offset, nbytes, sink.fileno())
                     except OSError:
@@ -582,10 +556,10 @@ class CacheDataset(Dataset):
     of mixing data. With ``verify`` (the default) its data is checked too, once per process
     and shard, before any of it is returned: the xxh3-128 of every tensor the reader reads
     against the one the shard records, so that a damaged byte raises
-    :class:`CacheCorruptError` naming the shard and the tensor. The check reads the
-    tensors once, overlapped with training where a sampler prefetches (the read-ahead
-    thread runs it), and leaves them in the page cache for the reads that follow; later
-    epochs of the process cost nothing more. ``verify=False`` skips it (documented cost in
+    :class:`CacheCorruptError` naming the shard and the tensor. The first read of a shard
+    streams those tensors once (and so leaves them in the page cache for the reads that
+    follow); tensors of keys the reader does not read are not hashed, and later epochs of
+    the process cost nothing more. ``verify=False`` skips it (its cost measured in
     docs/benchmarks.md): a flipped byte is then returned as read.
 
     Args:
@@ -868,8 +842,7 @@ class CacheDataset(Dataset):
         cached are announced; short ones rely on the kernel's read-around of the mapping
         (probing and queueing each would cost more than a fault). A background thread
         reads them shard by shard, in the order the indices first need the shards, each
-        in file order, so that the disk streams through them, first checking the data of
-        a shard not checked yet (``verify``); a batch that needs one of
+        in file order, so that the disk streams through them; a batch that needs one of
         them before it is read waits for it. Each shard's reads are queued as soon as
         that shard is open, so that the disk starts on the first shard while the
         others' headers are read.
@@ -877,8 +850,6 @@ class CacheDataset(Dataset):
         probe = memoryview(bytearray(1))
         for shard, locals_ in self._by_shard(indices).items():
             opened = self._open_shard(shard)
-            if opened.check is not None:  # checked on the thread before its runs (which it leaves in the page cache)
-                self._read_ahead().submit_check(opened.check)
             wanted = []
             for key, base in opened.long.items():
                 for local in locals_:
