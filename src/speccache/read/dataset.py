@@ -659,8 +659,6 @@ class CacheDataset(Dataset):
                 raise
         self._open: OrderedDict[int, _OpenShard] = OrderedDict()
         self._verified: set[int] = set()
-        self._checks: dict[int, _DataCheck] = {}
-        """Checks of shards not passed yet, kept across reopenings."""
         self._ahead: _ReadAhead | None = None
         self._layout: tuple[dict[str, KeyLayout], list[str]] | None = None
         """The shards' key layouts and raw keys (one schema: computed once; per process, see ``_shared``)."""
@@ -690,7 +688,6 @@ class CacheDataset(Dataset):
         state = self.__dict__.copy()
         state["_open"] = OrderedDict()
         state["_verified"] = set()  # another process verifies for itself
-        state["_checks"] = {}
         state["_ahead"] = None  # and reads ahead for itself
         state["_layout"] = None  # and shares layouts with its own other readers
         return state
@@ -746,20 +743,12 @@ class CacheDataset(Dataset):
                 del self._open[gone]
         opened = self._wrap(shard)
         if verify and not self.follow:
-            # A shard reopened before its check ran (evicted by the LRU) keeps that check: hashed once.
-            opened.check = self._checks.get(index)
-            if opened.check is None:
-                parts = expected_parts(self.schema) - {OFFSETS_KEY}
-                opened.check = self._checks[index] = _DataCheck(shard, parts, functools.partial(self._passed, index))
+            parts = expected_parts(self.schema) - {OFFSETS_KEY}
+            opened.check = _DataCheck(shard, parts, functools.partial(self._verified.add, index))
         self._open[index] = opened
         if len(self._open) > self.max_open_shards:
             self._open.popitem(last=False)  # closed once no sample of an in-flight batch refers to it
         return opened
-
-    def _passed(self, index: int) -> None:
-        """Shard ``index``'s data passed its check (on whichever thread ran it)."""
-        self._verified.add(index)
-        self._checks.pop(index, None)
 
     def _check_manifest_unchanged(self, path: str) -> None:
         """Refuse to open ``path`` if the cache was rewritten with another configuration since this reader started.
