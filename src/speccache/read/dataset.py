@@ -60,7 +60,8 @@ __all__ = ["NO_VERIFY_HELP", "CacheDataset", "Sample", "SampleView", "open_stack
 
 NO_VERIFY_HELP = (
     "read the shards without checking the tensors read against their checksums (verify=False): a first epoch "
-    "up to about 10%% faster, and a damaged byte is read as data (docs/benchmarks.md)"
+    "from the page cache up to ~40%% shorter, from disk about the same; a damaged byte is then read as data "
+    "(docs/benchmarks.md)"
 )
 """The help of the ``--no-verify`` flag of the commands that read caches (``%`` doubled for argparse)."""
 
