@@ -60,7 +60,7 @@ __all__ = ["NO_VERIFY_HELP", "CacheDataset", "Sample", "SampleView", "open_stack
 
 NO_VERIFY_HELP = (
     "read the shards without checking the tensors read against their checksums (verify=False): a first epoch "
-    "from the page cache up to ~40%% shorter, from disk about the same; a damaged byte is then read as data "
+    "from the page cache about a third shorter, from disk within ~10%%; a damaged byte is then read as data "
     "(docs/benchmarks.md)"
 )
 """The help of the ``--no-verify`` flag of the commands that read caches (``%`` doubled for argparse)."""
@@ -362,13 +362,13 @@ _CHECK_CHUNK = 1 << 20
 
 class _DataCheck:
     """The check of an open shard's data, once per process: each tensor the reader reads (its keys' parts) hashed
-    against the xxh3-128 the shard's metadata records, by the first read of the shard, before it reads a byte.
+    against the xxh3-128 the shard's metadata records, before the shard's first read returns a byte.
 
     The tensors are streamed with ``pread`` through one small buffer (not the mapping, whose touched pages would
     stay mapped), in file order, which leaves them in the page cache for the reads that follow. Tensors the
-    reader does not read are not hashed. Handing the check to the read-ahead thread, to overlap it with the
-    batches of the shard before, was tried and dropped: on the two shared cores measured, the thread's hashing
-    and the main thread's copies slowed each other more than they overlapped (docs/benchmarks.md).
+    reader does not read are not hashed. A shard that ``prefetch`` announces is checked by the
+    :class:`_Checker` thread while the batches before it are read; the first read runs the check itself if
+    the thread has not started it, or waits for the thread that has.
     """
 
     def __init__(self, shard: NativeShard, names: Iterable[str], passed: Callable[[], None]) -> None:
@@ -381,20 +381,25 @@ class _DataCheck:
         """``(name, file offset, nbytes, recorded checksum)`` of each tensor to check, in file order."""
         self.tensors.sort(key=operator.itemgetter(1))
         self._passed = passed
+        self.queued = False
+        """Handed to a :class:`_Checker` (once is enough)."""
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._done = False
         self._error: CacheCorruptError | None = None
 
-    def run(self) -> None:
-        """Check the tensors unless this process did (another thread checking them is waited for).
+    def run(self, wait: bool = True) -> None:
+        """Check the tensors unless this process did; another thread checking them is waited for, or with
+        ``wait=False`` (the :class:`_Checker` thread) left to it, and a failure is kept for the reader to raise.
 
         Raises:
-            CacheCorruptError: a tensor differs from its checksum, or the file was truncated (every call).
+            CacheCorruptError: (``wait`` only) a tensor differs from its checksum, or the file was truncated.
         """
         if self._pid != os.getpid():  # a forked worker: the parent's lock may be held by a thread it lacks
             self._pid, self._lock = os.getpid(), threading.Lock()
-        with self._lock:
+        if not self._lock.acquire(blocking=wait):
+            return
+        try:
             if not self._done:
                 try:
                     self._hash()
@@ -403,7 +408,9 @@ class _DataCheck:
                 self._done = True
                 if self._error is None:
                     self._passed()
-        if self._error is not None:
+        finally:
+            self._lock.release()
+        if wait and self._error is not None:
             raise CacheCorruptError(str(self._error))
 
     def _hash(self) -> None:
@@ -418,6 +425,45 @@ class _DataCheck:
                 offset += len(chunk)
             if h.hexdigest() != recorded:
                 raise checksum_mismatch(self.path, name)
+
+
+class _Checker:
+    """Runs shards' data checks (:class:`_DataCheck`) on a daemon thread, in the order submitted.
+
+    ``prefetch`` submits the shards it announces, so that each is checked while the batches
+    before it are read, on another core: the hashing (``pread`` and xxh3 release the GIL)
+    then costs the reader little more than the wait for the first shard's check. The thread
+    runs only while checks are queued; only the process that made this object uses it.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._lock = threading.Lock()
+        self._queue: deque[_DataCheck] = deque()
+        self._running = False
+
+    def submit(self, check: _DataCheck) -> None:
+        """Queue ``check`` unless it was queued before; returns at once."""
+        if check.queued:
+            return
+        check.queued = True
+        with self._lock:
+            self._queue.append(check)
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._run, name="speccache-check", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._running = False
+                    return
+                check = self._queue.popleft()
+            try:
+                check.run(wait=False)
+            except OSError:
+                pass  # the shard's first read checks it again, and reports what is wrong
 
 
 class _ReadAhead:
@@ -557,10 +603,11 @@ class CacheDataset(Dataset):
     of mixing data. With ``verify`` (the default) its data is checked too, once per process
     and shard, before any of it is returned: the xxh3-128 of every tensor the reader reads
     against the one the shard records, so that a damaged byte raises
-    :class:`CacheCorruptError` naming the shard and the tensor. The first read of a shard
-    streams those tensors once (and so leaves them in the page cache for the reads that
-    follow); tensors of keys the reader does not read are not hashed, and later epochs of
-    the process cost nothing more. ``verify=False`` skips it (its cost measured in
+    :class:`CacheCorruptError` naming the shard and the tensor. The check streams those
+    tensors once (and so leaves them in the page cache for the reads that follow), on a
+    thread of its own for the shards a sampler announces through :meth:`prefetch`, else
+    at the shard's first read; tensors of keys the reader does not read are not hashed,
+    and later epochs of the process cost nothing more. ``verify=False`` skips it (its cost measured in
     docs/benchmarks.md): a flipped byte is then returned as read.
 
     Args:
@@ -660,7 +707,10 @@ class CacheDataset(Dataset):
                 raise
         self._open: OrderedDict[int, _OpenShard] = OrderedDict()
         self._verified: set[int] = set()
+        self._checks: dict[int, _DataCheck] = {}
+        """Checks of shards not passed yet, kept across reopenings."""
         self._ahead: _ReadAhead | None = None
+        self._check_thread: _Checker | None = None
         self._layout: tuple[dict[str, KeyLayout], list[str]] | None = None
         """The shards' key layouts and raw keys (one schema: computed once; per process, see ``_shared``)."""
 
@@ -689,7 +739,9 @@ class CacheDataset(Dataset):
         state = self.__dict__.copy()
         state["_open"] = OrderedDict()
         state["_verified"] = set()  # another process verifies for itself
+        state["_checks"] = {}
         state["_ahead"] = None  # and reads ahead for itself
+        state["_check_thread"] = None
         state["_layout"] = None  # and shares layouts with its own other readers
         return state
 
@@ -699,6 +751,12 @@ class CacheDataset(Dataset):
             self._ahead = _ReadAhead()
             weakref.finalize(self, self._ahead.close)
         return self._ahead
+
+    def _checker(self) -> _Checker:
+        """This process's :class:`_Checker` (a forked worker makes its own)."""
+        if self._check_thread is None or self._check_thread.pid != os.getpid():
+            self._check_thread = _Checker()
+        return self._check_thread
 
     def _shard(self, index: int) -> NativeShard:
         """The open shard ``index``."""
@@ -744,12 +802,20 @@ class CacheDataset(Dataset):
                 del self._open[gone]
         opened = self._wrap(shard)
         if verify and not self.follow:
-            parts = expected_parts(self.schema) - {OFFSETS_KEY}
-            opened.check = _DataCheck(shard, parts, functools.partial(self._verified.add, index))
+            # A shard reopened before its check ran (evicted by the LRU) keeps that check: hashed once.
+            opened.check = self._checks.get(index)
+            if opened.check is None:
+                parts = expected_parts(self.schema) - {OFFSETS_KEY}
+                opened.check = self._checks[index] = _DataCheck(shard, parts, functools.partial(self._passed, index))
         self._open[index] = opened
         if len(self._open) > self.max_open_shards:
             self._open.popitem(last=False)  # closed once no sample of an in-flight batch refers to it
         return opened
+
+    def _passed(self, index: int) -> None:
+        """Shard ``index``'s data passed its check (on whichever thread ran it)."""
+        self._verified.add(index)
+        self._checks.pop(index, None)
 
     def _check_manifest_unchanged(self, path: str) -> None:
         """Refuse to open ``path`` if the cache was rewritten with another configuration since this reader started.
@@ -832,7 +898,9 @@ class CacheDataset(Dataset):
         cached are announced; short ones rely on the kernel's read-around of the mapping
         (probing and queueing each would cost more than a fault). A background thread
         reads them shard by shard, in the order the indices first need the shards, each
-        in file order, so that the disk streams through them; a batch that needs one of
+        in file order, so that the disk streams through them; a shard whose data this
+        process has not checked yet is checked on another thread meanwhile (``verify``,
+        see :class:`_Checker`); a batch that needs one of
         them before it is read waits for it. Each shard's reads are queued as soon as
         that shard is open, so that the disk starts on the first shard while the
         others' headers are read.
@@ -840,6 +908,8 @@ class CacheDataset(Dataset):
         probe = memoryview(bytearray(1))
         for shard, locals_ in self._by_shard(indices).items():
             opened = self._open_shard(shard)
+            if opened.check is not None:
+                self._checker().submit(opened.check)
             wanted = []
             for key, base in opened.long.items():
                 for local in locals_:
