@@ -128,7 +128,9 @@ def test_each_shard_is_hashed_once_per_process(runs, monkeypatch):
     cache = runs("eagle3")
     hashed: list[str] = []
     real = dataset_module._DataCheck._hash
-    monkeypatch.setattr(dataset_module._DataCheck, "_hash", lambda self: (hashed.append(self.path), real(self))[1])
+    monkeypatch.setattr(
+        dataset_module._DataCheck, "_hash", lambda self, source: (hashed.append(source.path), real(self, source))[1]
+    )
     # one shard open at a time: every shard is reopened in every epoch, and opened ahead by the prefetch
     loader = build_eagle3_dataloader(cache, batch_size=2, shuffle=True, max_open_shards=1)
     for epoch in range(3):
@@ -168,3 +170,16 @@ def test_export_stops_on_a_damaged_tensor(runs, tmp_path, capsys, to, run, extra
     err = capsys.readouterr().err
     assert _names_shard_and_tensor(err, copy, "input_ids") and "Traceback" not in err, err
     assert main(["export", "--no-verify", "--to", to, *extra, copy, str(tmp_path / "unchecked")]) == 0
+
+
+def test_a_loaders_main_process_hashes_nothing_for_its_workers(runs, monkeypatch):
+    cache = runs("eagle3")
+    hashed: list[str] = []
+    real = dataset_module._DataCheck._hash
+    monkeypatch.setattr(
+        dataset_module._DataCheck, "_hash", lambda self, source: (hashed.append(source.path), real(self, source))[1]
+    )
+    # the sampler's prefetch runs in this process and opens every shard; the (forked) worker reads and checks them
+    loader = build_eagle3_dataloader(cache, batch_size=2, shuffle=True, num_workers=1)
+    assert sum(len(batch["input_ids"]) for batch in loader) == Manifest.read(cache).num_samples
+    assert hashed == []

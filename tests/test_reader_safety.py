@@ -302,7 +302,9 @@ def test_verify_hashes_each_shard_once_per_process(tmp_path, monkeypatch):
     write_synthetic_cache(path, **ARGS)
     hashed: list[str] = []
     real = dataset_module._DataCheck._hash
-    monkeypatch.setattr(dataset_module._DataCheck, "_hash", lambda self: (hashed.append(self.path), real(self))[1])
+    monkeypatch.setattr(
+        dataset_module._DataCheck, "_hash", lambda self, source: (hashed.append(source.path), real(self, source))[1]
+    )
     ds = CacheDataset(path, max_open_shards=1)  # each shard closed and reopened on every visit
     for _ in range(3):
         for i in (0, 8, 16, 1, 9):

@@ -155,8 +155,8 @@ class _OpenShard:
             )
 
     def check_readable(self) -> None:
-        """Refuse to read from a file that shrank (:meth:`check_size`), or whose data fails its checksums: the
-        first call of a process checks them.
+        """Refuse to read from a file that shrank (:meth:`check_size`), or whose data fails its checksums (checked
+        by the first call of a process unless the :class:`_Checker` thread did).
 
         Raises:
             CacheCorruptError: the file shrank, or a tensor the reader reads differs from its checksum.
@@ -164,7 +164,7 @@ class _OpenShard:
         self.check_size()
         check = self.check
         if check is not None:
-            check.run()
+            check.run(self)
             self.check = None
 
     def sample(self, key: str, local: int) -> torch.Tensor:
@@ -343,7 +343,7 @@ def _cached_prefix(source: _OpenShard, dst: memoryview, offset: int) -> int:
         return 0
 
 
-def _pread_into(source: _OpenShard | _DataCheck, dst: memoryview, offset: int) -> None:
+def _pread_into(source: _OpenShard, dst: memoryview, offset: int) -> None:
     done = 0
     while done < len(dst):
         got = os.preadv(source.fd, [dst[done:]], offset + done)
@@ -371,26 +371,25 @@ class _DataCheck:
     the thread has not started it, or waits for the thread that has.
     """
 
-    def __init__(self, shard: NativeShard, names: Iterable[str], passed: Callable[[], None]) -> None:
-        self.shard = shard  # keeps the file (and so ``fd``) open while the check may run
-        self.path = shard.path
-        self.fd = shard.file.handle.fileno()
-        recorded = recorded_checksums(shard.file)
-        start, entries = shard.file.data_start, shard.file.entries
+    def __init__(self, file: ShardFile, names: Iterable[str], passed: Callable[[], None]) -> None:
+        # Holds no file: a reader keeps the checks of shards it has closed (LRU) until they run.
+        recorded = recorded_checksums(file)
+        start, entries = file.data_start, file.entries
         self.tensors = [(n, start + entries[n][2], entries[n][3] - entries[n][2], recorded.get(n)) for n in names]
         """``(name, file offset, nbytes, recorded checksum)`` of each tensor to check, in file order."""
         self.tensors.sort(key=operator.itemgetter(1))
         self._passed = passed
-        self.queued = False
-        """Handed to a :class:`_Checker` (once is enough)."""
+        self.queued_by: int | None = None
+        """The process whose :class:`_Checker` it was handed to (once is enough)."""
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._done = False
         self._error: CacheCorruptError | None = None
 
-    def run(self, wait: bool = True) -> None:
-        """Check the tensors unless this process did; another thread checking them is waited for, or with
-        ``wait=False`` (the :class:`_Checker` thread) left to it, and a failure is kept for the reader to raise.
+    def run(self, source: _OpenShard, wait: bool = True) -> None:
+        """Check the tensors (read from ``source``, the shard open now) unless this process did; another thread
+        checking them is waited for, or with ``wait=False`` (the :class:`_Checker` thread) left to it, and a
+        failure is kept for the reader to raise.
 
         Raises:
             CacheCorruptError: (``wait`` only) a tensor differs from its checksum, or the file was truncated.
@@ -402,7 +401,7 @@ class _DataCheck:
         try:
             if not self._done:
                 try:
-                    self._hash()
+                    self._hash(source)
                 except CacheCorruptError as exc:
                     self._error = exc
                 self._done = True
@@ -413,18 +412,18 @@ class _DataCheck:
         if wait and self._error is not None:
             raise CacheCorruptError(str(self._error))
 
-    def _hash(self) -> None:
+    def _hash(self, source: _OpenShard) -> None:
         buf = memoryview(bytearray(min(_CHECK_CHUNK, max((t[2] for t in self.tensors), default=0))))
         for name, offset, nbytes, recorded in self.tensors:
             h = xxhash.xxh3_128()
             end = offset + nbytes
             while offset < end:
                 chunk = buf[: min(len(buf), end - offset)]
-                _pread_into(self, chunk, offset)
+                _pread_into(source, chunk, offset)
                 h.update(chunk)
                 offset += len(chunk)
             if h.hexdigest() != recorded:
-                raise checksum_mismatch(self.path, name)
+                raise checksum_mismatch(source.path, name)
 
 
 class _Checker:
@@ -439,16 +438,17 @@ class _Checker:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self._lock = threading.Lock()
-        self._queue: deque[_DataCheck] = deque()
+        self._queue: deque[tuple[_DataCheck, _OpenShard]] = deque()
         self._running = False
 
-    def submit(self, check: _DataCheck) -> None:
-        """Queue ``check`` unless it was queued before; returns at once."""
-        if check.queued:
+    def submit(self, source: _OpenShard) -> None:
+        """Queue the pending check of ``source`` unless it was queued before; returns at once."""
+        check = source.check
+        if check is None or check.queued_by == self.pid:
             return
-        check.queued = True
+        check.queued_by = self.pid
         with self._lock:
-            self._queue.append(check)
+            self._queue.append((check, source))
             if not self._running:
                 self._running = True
                 threading.Thread(target=self._run, name="speccache-check", daemon=True).start()
@@ -459,9 +459,9 @@ class _Checker:
                 if not self._queue:
                     self._running = False
                     return
-                check = self._queue.popleft()
+                check, source = self._queue.popleft()
             try:
-                check.run(wait=False)
+                check.run(source, wait=False)
             except OSError:
                 pass  # the shard's first read checks it again, and reports what is wrong
 
@@ -614,8 +614,8 @@ class CacheDataset(Dataset):
         cache_dir: the cache directory.
         keys: keys to read (default: every key of the schema); a single name is one key.
         cache_name: kind of cache expected; default: whatever the manifest says.
-        verify: check the checksums of the tensors read from each shard the first time this process opens it
-            (default); ``False`` returns the bytes unchecked.
+        verify: check the tensors read from each shard against their checksums before this process's first read
+            of it (default); ``False`` returns the bytes unchecked.
         max_open_shards: LRU bound on open shards per process.
         allow_incomplete: read the whole shards of an unsealed cache (the contiguous prefix).
         follow: read the cache while it is written: ``True`` or :class:`speccache.read.follow.Follow` settings
@@ -711,6 +711,10 @@ class CacheDataset(Dataset):
         """Checks of shards not passed yet, kept across reopenings."""
         self._ahead: _ReadAhead | None = None
         self._check_thread: _Checker | None = None
+        self._reader_pid: int | None = None
+        """The process that reads samples: ``prefetch`` hashes ahead only in it. A DataLoader's workers each
+        check for themselves, so the main process, whose sampler calls ``prefetch``, hashes nothing for them
+        (see :meth:`_reading`)."""
         self._layout: tuple[dict[str, KeyLayout], list[str]] | None = None
         """The shards' key layouts and raw keys (one schema: computed once; per process, see ``_shared``)."""
 
@@ -742,6 +746,7 @@ class CacheDataset(Dataset):
         state["_checks"] = {}
         state["_ahead"] = None  # and reads ahead for itself
         state["_check_thread"] = None
+        state["_reader_pid"] = None
         state["_layout"] = None  # and shares layouts with its own other readers
         return state
 
@@ -751,6 +756,16 @@ class CacheDataset(Dataset):
             self._ahead = _ReadAhead()
             weakref.finalize(self, self._ahead.close)
         return self._ahead
+
+    def _reading(self) -> None:
+        """Note that this process reads samples; on its first read, hand the checks of the shards ``prefetch``
+        opened before it (a sampler announces its first window before the first batch) to the checker thread."""
+        pid = os.getpid()
+        if self._reader_pid != pid:
+            self._reader_pid = pid
+            if self.verify and not self.follow:
+                for opened in list(self._open.values()):
+                    self._checker().submit(opened)
 
     def _checker(self) -> _Checker:
         """This process's :class:`_Checker` (a forked worker makes its own)."""
@@ -806,7 +821,8 @@ class CacheDataset(Dataset):
             opened.check = self._checks.get(index)
             if opened.check is None:
                 parts = expected_parts(self.schema) - {OFFSETS_KEY}
-                opened.check = self._checks[index] = _DataCheck(shard, parts, functools.partial(self._passed, index))
+                check = _DataCheck(shard.file, parts, functools.partial(self._passed, index))
+                opened.check = self._checks[index] = check
         self._open[index] = opened
         if len(self._open) > self.max_open_shards:
             self._open.popitem(last=False)  # closed once no sample of an in-flight batch refers to it
@@ -860,6 +876,7 @@ class CacheDataset(Dataset):
         """Samples at ``indices`` (in that order) as :class:`SampleView` objects."""
         if isinstance(indices, torch.Tensor):
             indices = indices.tolist()
+        self._reading()
         out: list[Sample] = []
         opened: dict[int, _OpenShard] = {}  # each shard looked up once per batch
         for index in indices:
@@ -900,7 +917,8 @@ class CacheDataset(Dataset):
         reads them shard by shard, in the order the indices first need the shards, each
         in file order, so that the disk streams through them; a shard whose data this
         process has not checked yet is checked on another thread meanwhile (``verify``,
-        see :class:`_Checker`); a batch that needs one of
+        see :class:`_Checker`; only in a process that reads batches itself, not for a
+        DataLoader's workers); a batch that needs one of
         them before it is read waits for it. Each shard's reads are queued as soon as
         that shard is open, so that the disk starts on the first shard while the
         others' headers are read.
@@ -908,8 +926,8 @@ class CacheDataset(Dataset):
         probe = memoryview(bytearray(1))
         for shard, locals_ in self._by_shard(indices).items():
             opened = self._open_shard(shard)
-            if opened.check is not None:
-                self._checker().submit(opened.check)
+            if opened.check is not None and self._reader_pid == os.getpid():
+                self._checker().submit(opened)
             wanted = []
             for key, base in opened.long.items():
                 for local in locals_:
@@ -979,6 +997,7 @@ class CacheDataset(Dataset):
         if unknown:
             raise KeyError(f"keys {unknown} are not among this reader's keys {list(self.keys)}; open it with them")
         shard, local = self._split(index)
+        self._reading()
         opened = self._open_shard(shard)
         first, last = _row_range(rows, opened.row_offsets[local + 1] - opened.row_offsets[local])
         opened.check_readable()
