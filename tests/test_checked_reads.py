@@ -183,3 +183,14 @@ def test_a_loaders_main_process_hashes_nothing_for_its_workers(runs, monkeypatch
     loader = build_eagle3_dataloader(cache, batch_size=2, shuffle=True, num_workers=1)
     assert sum(len(batch["input_ids"]) for batch in loader) == Manifest.read(cache).num_samples
     assert hashed == []
+
+
+def test_audit_stops_on_a_damaged_tensor_and_no_verify_compares_it(runs, tmp_path, capsys):
+    copy = _damaged_copy(runs("eagle3"), tmp_path, "aux_hidden_states")
+    argv = ["audit", copy, "--samples", "12", "--device", "cpu"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert _names_shard_and_tensor(err, copy, "aux_hidden_states") and "Traceback" not in err, err
+    # unchecked, the damaged sample is compared with the live forward instead (the lowest bit: within tolerance)
+    assert main([*argv, "--no-verify"]) in (0, 1)
+    assert "error" not in capsys.readouterr().err
