@@ -301,13 +301,15 @@ def test_verify_hashes_each_shard_once_per_process(tmp_path, monkeypatch):
     path = str(tmp_path / "c")
     write_synthetic_cache(path, **ARGS)
     hashed: list[str] = []
-    real = dataset_module.file_checksum
-    monkeypatch.setattr(dataset_module, "file_checksum", lambda p: (hashed.append(os.path.basename(p)), real(p))[1])
-    ds = CacheDataset(path, verify=True, max_open_shards=1)
+    real = dataset_module._DataCheck._hash
+    monkeypatch.setattr(
+        dataset_module._DataCheck, "_hash", lambda self, source: (hashed.append(source.path), real(self, source))[1]
+    )
+    ds = CacheDataset(path, max_open_shards=1)  # each shard closed and reopened on every visit
     for _ in range(3):
         for i in (0, 8, 16, 1, 9):
             ds[i]
-    assert sorted(hashed) == [f"shard-00000{i}.safetensors" for i in range(3)]
+    assert sorted(os.path.basename(p) for p in hashed) == [f"shard-00000{i}.safetensors" for i in range(3)]
 
 
 @pytest.mark.parametrize("what", ["manifest dir", "shard dir", "manifest unreadable"])

@@ -61,6 +61,7 @@ from speccache.format import LENGTHS_KEY, Manifest, ShardFile, shard_path, valid
 from speccache.format.durable import ensure_writable_dir, writes_to
 from speccache.methods import eagle3, layers
 from speccache.methods.base import DTYPES, read_side_file
+from speccache.read.dataset import NO_VERIFY_HELP
 from speccache.read.source import open_source
 from speccache.units import human_bytes
 from speccache.write import CacheWriter, SideFile
@@ -138,7 +139,7 @@ class _Plan:
     side_tensors: dict[str, torch.Tensor]
 
 
-def _plan(cache_dir: str, to: str, layer_ids: Sequence[int] | None) -> _Plan:
+def _plan(cache_dir: str, to: str, layer_ids: Sequence[int] | None, verify: bool) -> _Plan:
     """What an export reads and writes: the source dataset, the shard maker, the manifest and the side file."""
     source = open_source(cache_dir)  # a cache or a view: a view exports the samples it selects
     config = source.config
@@ -149,7 +150,7 @@ def _plan(cache_dir: str, to: str, layer_ids: Sequence[int] | None) -> _Plan:
                 f"{cache_dir}: --to nemo-dspark reads a layers cache (--method dspark, dflash or layers), "
                 f"not a {source.cache_name!r} cache"
             )
-        ds = layers.dspark_dataset(cache_dir, layer_ids)
+        ds = layers.dspark_dataset(cache_dir, layer_ids, verify=verify)
         ids = list(ds.fields["target_hidden_states"])
         weights = read_side_file(source.side_file(layers.SIDE_FILE), ("embed_tokens", "lm_head"))
         hidden = int(config["hidden_size"])
@@ -179,11 +180,11 @@ def _plan(cache_dir: str, to: str, layer_ids: Sequence[int] | None) -> _Plan:
                 f"{cache_dir}: --to nemo-eagle3 computes target_probs from last_hidden_state; this cache stores "
                 f"--supervision {config['supervision']}. Export a cache written with --supervision hidden"
             )
-        ds = eagle3.Eagle3CacheDataset(cache_dir)
+        ds = eagle3.Eagle3CacheDataset(cache_dir, verify=verify)
         side_tensors = read_side_file(source.side_file(eagle3.SIDE_FILE))
         rows, selected, aux = side_tensors["lm_head"], side_tensors["selected_token_ids"], config["aux_layers"]
     elif source.cache_name == layers.CACHE_NAME:
-        ds = layers.eagle3_dataset(cache_dir, layer_ids)
+        ds = layers.eagle3_dataset(cache_dir, layer_ids, verify=verify)
         side_tensors = read_side_file(source.side_file(layers.SIDE_FILE), ("embed_tokens", "lm_head"))
         rows = side_tensors["lm_head"]
         selected, aux = torch.arange(rows.shape[0]), list(ds.fields["aux_hidden_states"])
@@ -233,6 +234,7 @@ def export_cache(
     to: str,
     layer_ids: Sequence[int] | None = None,
     log: Callable[[str], None] = print,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Export ``cache_dir`` to ``out`` in a NeMo AutoModel layout, one shard at a time.
 
@@ -242,11 +244,13 @@ def export_cache(
         to: ``nemo-dspark`` or ``nemo-eagle3``.
         layer_ids: DSpark layer ids / EAGLE-3 aux layer ids to read from a layers cache (default: the method's).
         log: where the size line goes, before anything is written.
+        verify: check the tensors read from each shard against their checksums (``False``: ``--no-verify``).
 
     Returns:
         The NeMo manifest written.
 
     Raises:
+        CacheCorruptError: (``verify``) a tensor read differs from its checksum; nothing of its shard is written.
         ValueError: an unknown ``to``.
         CacheExistsError: ``out`` is not empty.
         CacheFormatError: the cache cannot give what the layout needs (the message says what it holds).
@@ -256,7 +260,7 @@ def export_cache(
     if to not in TARGETS:
         raise ValueError(f"--to {to!r} is unknown; choose one of nemo-dspark, nemo-eagle3")
     check_export_dir(out)
-    plan = _plan(cache_dir, to, layer_ids)
+    plan = _plan(cache_dir, to, layer_ids, verify)
     ds, manifest, length = plan.dataset, plan.manifest, plan.manifest["seq_length"]
     side_bytes = sum(t.numel() * t.element_size() for t in plan.side_tensors.values())
     total = _bytes_per_sample(plan) * len(ds) + side_bytes
@@ -423,7 +427,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from speccache.compat.interop import LAYOUTS, export_peer
 
     layer_ids = [int(x) for x in args.layers.split(",") if x.strip()] if args.layers else None
-    (export_peer if args.to in LAYOUTS else export_cache)(args.cache_dir, args.out, args.to, layer_ids)
+    export = export_peer if args.to in LAYOUTS else export_cache
+    export(args.cache_dir, args.out, args.to, layer_ids, verify=not args.no_verify)
     return 0
 
 
@@ -436,6 +441,7 @@ def register_commands(sub: Any) -> None:
     p.add_argument(
         "--layers", default=None, help="layer ids to read from a layers cache (default: DSpark's / EAGLE-3's)"
     )
+    p.add_argument("--no-verify", action="store_true", help=NO_VERIFY_HELP)
     p.add_argument("cache_dir")
     p.add_argument("out")
     p.set_defaults(func=cmd_export)

@@ -95,7 +95,7 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().clone()
 
 
-def _specforge(cache_dir: str, source: CacheSource, layer_ids: Sequence[int] | None) -> _Export:
+def _specforge(cache_dir: str, source: CacheSource, layer_ids: Sequence[int] | None, verify: bool) -> _Export:
     vocab: dict[str, torch.Tensor] | None = None
     if source.cache_name == eagle3.CACHE_NAME:
         supervision = source.config.get("supervision", "hidden")
@@ -105,12 +105,12 @@ def _specforge(cache_dir: str, source: CacheSource, layer_ids: Sequence[int] | N
                 f"stores --supervision {supervision} instead. Export a cache written with --supervision hidden"
             )
         ds: CacheDataset = eagle3.Eagle3CacheDataset(
-            cache_dir, keys=["input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"]
+            cache_dir, keys=["input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"], verify=verify
         )
         if int(source.config["draft_vocab_size"]) < int(source.config["vocab_size"]):
             vocab = eagle3.read_side_file(source.side_file(eagle3.SIDE_FILE), ("d2t", "t2d"))
     elif source.cache_name == layers.CACHE_NAME:
-        ds = layers.eagle3_dataset(cache_dir, layer_ids)
+        ds = layers.eagle3_dataset(cache_dir, layer_ids, verify=verify)
     else:
         raise CacheFormatError(
             f"{cache_dir}: --to specforge reads an eagle3 or layers cache, not a {source.cache_name!r} one"
@@ -132,15 +132,15 @@ def _specforge(cache_dir: str, source: CacheSource, layer_ids: Sequence[int] | N
     return _Export(ds, sample_files, _torch_save, finish)
 
 
-def _specforge_dflash_family(dspark: bool) -> Callable[[str, CacheSource, Sequence[int] | None], _Export]:
-    def plan(cache_dir: str, source: CacheSource, layer_ids: Sequence[int] | None) -> _Export:
+def _specforge_dflash_family(dspark: bool) -> Callable[[str, CacheSource, Sequence[int] | None, bool], _Export]:
+    def plan(cache_dir: str, source: CacheSource, layer_ids: Sequence[int] | None, verify: bool) -> _Export:
         to = SPECFORGE_DSPARK if dspark else SPECFORGE_DFLASH
         if source.cache_name != layers.CACHE_NAME:
             raise CacheFormatError(
                 f"{cache_dir}: --to {to} reads a layers cache (--method dspark, dflash or layers), "
                 f"not a {source.cache_name!r} cache"
             )
-        ds = (layers.dspark_dataset if dspark else layers.dflash_dataset)(cache_dir, layer_ids)
+        ds = (layers.dspark_dataset if dspark else layers.dflash_dataset)(cache_dir, layer_ids, verify=verify)
 
         def sample_files(out: str, index: int, s: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
             sample = {
@@ -157,7 +157,7 @@ def _specforge_dflash_family(dspark: bool) -> Callable[[str, CacheSource, Sequen
     return plan
 
 
-def _speculators(cache_dir: str, source: CacheSource, layer_ids: Sequence[int] | None) -> _Export:
+def _speculators(cache_dir: str, source: CacheSource, layer_ids: Sequence[int] | None, verify: bool) -> _Export:
     if source.cache_name != layers.CACHE_NAME:
         raise CacheFormatError(
             f"{cache_dir}: --to speculators needs the last decoder layer's output before the final norm, which only "
@@ -166,7 +166,7 @@ def _speculators(cache_dir: str, source: CacheSource, layer_ids: Sequence[int] |
         )
     num_layers = int(source.config["num_layers"])
     aux = list(layer_ids) if layer_ids is not None else eagle3.default_aux_layers(num_layers)
-    ds = layers.LayerFeatureDataset(cache_dir, {"hidden_states": [*aux, num_layers - 1]}, prenorm=True)
+    ds = layers.LayerFeatureDataset(cache_dir, {"hidden_states": [*aux, num_layers - 1]}, prenorm=True, verify=verify)
     hidden = int(source.config["hidden_size"])
 
     def sample_files(out: str, index: int, s: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
@@ -209,6 +209,7 @@ def export_peer(
     to: str,
     layer_ids: Sequence[int] | None = None,
     log: Callable[[str], None] = print,
+    verify: bool = True,
 ) -> int:
     """Export ``cache_dir`` to ``out`` in SpecForge's or speculators' offline layout.
 
@@ -218,11 +219,13 @@ def export_peer(
         to: ``specforge`` (EAGLE-3), ``specforge-dflash``, ``specforge-dspark`` or ``speculators``.
         layer_ids: aux layer ids to read from a layers cache (default: EAGLE-3's for the target's depth).
         log: where the size line goes, before anything is written.
+        verify: check the tensors read from each shard against their checksums (``False``: ``--no-verify``).
 
     Returns:
         The number of samples written.
 
     Raises:
+        CacheCorruptError: (``verify``) a tensor read differs from its checksum; nothing of its shard is written.
         CacheExistsError: ``out`` is not empty.
         CacheFormatError: the cache cannot give what the layout needs (the message says what is missing).
         OutputError: the operating system refuses ``out`` or a write in it.
@@ -237,7 +240,7 @@ def export_peer(
         SPECFORGE_DSPARK: _specforge_dflash_family(dspark=True),
         SPECULATORS: _speculators,
     }
-    export = plans[to](cache_dir, source, layer_ids)
+    export = plans[to](cache_dir, source, layer_ids, verify)
     ds = export.dataset
     tokens = sum(ds.sample_lengths())
     if len(ds):

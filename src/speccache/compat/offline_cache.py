@@ -249,11 +249,15 @@ class CachedTensorDataset(Dataset):
         cache_name: name used in messages.
         format_version: the manifest version expected.
         disk_keys: keys each sample returns.
+        verify: check a native cache's tensors against their checksums before their first read, as
+            :class:`speccache.read.CacheDataset` does by default; off here, as NeMo's reader checks none.
     """
 
     max_open_shards = 64
 
-    def __init__(self, cache_dir: str, cache_name: str, format_version: int, disk_keys: tuple[str, ...]) -> None:
+    def __init__(
+        self, cache_dir: str, cache_name: str, format_version: int, disk_keys: tuple[str, ...], *, verify: bool = False
+    ) -> None:
         self.cache_dir = cache_dir
         self.cache_name = cache_name
         self.manifest = read_manifest(cache_dir, cache_name=cache_name, format_version=format_version)
@@ -261,7 +265,9 @@ class CachedTensorDataset(Dataset):
         self.num_samples = int(self.manifest["num_samples"])
         self._disk_keys = tuple(disk_keys)
         self._native = (
-            CacheDataset(cache_dir, list(disk_keys), cache_name=cache_name) if "keys" in self.manifest else None
+            CacheDataset(cache_dir, list(disk_keys), cache_name=cache_name, verify=verify)
+            if "keys" in self.manifest
+            else None
         )
         self._shard_indices = validate_contiguous_shards(cache_dir, cache_name, self.num_samples, self.shard_size)
         self._open_handles: OrderedDict[int, _ShardHandle] = OrderedDict()

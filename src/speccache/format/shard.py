@@ -15,7 +15,7 @@ import functools
 import json
 import math
 import operator
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -217,7 +217,7 @@ class NativeShard:
         schema: the cache's key schema.
         shard_index: the index the shard must record.
         num_samples: the sample count the manifest expects, or ``None`` to accept the shard's own.
-        verify: also check every tensor's xxh3-128 against the shard metadata.
+        verify: also check every tensor's xxh3-128 against the shard metadata (``True``), or only these tensors'.
         expected_bytes: the file size the manifest's shard table records, or ``None`` (an unsealed cache).
 
     Raises:
@@ -231,7 +231,7 @@ class NativeShard:
         schema: Schema,
         shard_index: int,
         num_samples: int | None,
-        verify: bool = False,
+        verify: bool | Collection[str] = False,
         expected_bytes: int | None = None,
     ) -> None:
         self.path = path
@@ -240,7 +240,7 @@ class NativeShard:
         try:
             self._check_identity(shard_index, num_samples)
             if verify:
-                verify_tensor_checksums(self.file)
+                verify_tensor_checksums(self.file, None if verify is True else verify)
             have = set(self.file.keys())
             self.fixed_offsets = torch.arange(self.num_samples + 1, dtype=torch.int64)
             # a copy (n + 1 integers): no tensor of a refused shard may keep its mapping (and descriptor) alive
@@ -389,19 +389,36 @@ def _suffixes(names: set[str], key: str) -> list[str]:
     return [""] * (key in names) + [n[len(prefix) :] for n in names if n.startswith(prefix)]
 
 
-def verify_tensor_checksums(file: ShardFile) -> None:
-    """Check every tensor of ``file`` against the xxh3-128 recorded in its metadata.
+def verify_tensor_checksums(file: ShardFile, names: Collection[str] | None = None) -> None:
+    """Check the tensors ``names`` of ``file`` (default: every one) against the xxh3-128 recorded in its metadata.
 
     Raises:
         CacheCorruptError: a mismatch or missing checksum; names the tensor.
+    """
+    recorded = recorded_checksums(file)
+    for name in file.keys() if names is None else names:
+        if recorded.get(name) != tensor_checksum(file.tensor(name)):
+            raise checksum_mismatch(file.path, name)
+
+
+def recorded_checksums(file: ShardFile) -> dict[str, str]:
+    """The xxh3-128 of each tensor of ``file``, as its metadata records them.
+
+    Raises:
+        CacheCorruptError: the metadata holds no readable checksums.
     """
     try:
         recorded = json.loads(file.metadata[SHARD_META_CHECKSUMS])
     except (KeyError, ValueError):
         raise CacheCorruptError(f"{file.path}: shard metadata has no readable tensor checksums") from None
-    for name in file.keys():
-        if recorded.get(name) != tensor_checksum(file.tensor(name)):
-            raise CacheCorruptError(
-                f"{file.path}: tensor {name!r} does not match its checksum (damaged data). "
-                "Delete the shard and re-run the producer with --resume."
-            )
+    if not isinstance(recorded, dict):
+        raise CacheCorruptError(f"{file.path}: shard metadata has no readable tensor checksums")
+    return recorded
+
+
+def checksum_mismatch(path: str, name: str) -> CacheCorruptError:
+    """The error for tensor ``name`` of shard ``path``, whose bytes differ from its recorded checksum."""
+    return CacheCorruptError(
+        f"{path}: tensor {name!r} does not match its checksum (damaged data). "
+        "Delete the shard and re-run the producer with --resume."
+    )

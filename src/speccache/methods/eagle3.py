@@ -590,7 +590,8 @@ class Eagle3CacheDataset(CacheDataset):
         cache_dir: the cache directory, or a view of EAGLE-3 caches (it opens as a
             :class:`speccache.read.view.ViewDataset` of these readers, one per source).
         keys: stored keys to return (default: all), or ``target_probs`` for a ``topk`` cache.
-        verify: check each shard's checksum when first opened.
+        verify: check the checksums of the tensors read from each shard before its first read in this process
+            (default; ``False`` skips it, see :class:`speccache.read.CacheDataset`).
         **kwargs: passed to :class:`speccache.read.CacheDataset`.
 
     Raises:
@@ -598,7 +599,7 @@ class Eagle3CacheDataset(CacheDataset):
     """
 
     def __init__(
-        self, cache_dir: str, keys: Sequence[str] | str | None = None, verify: bool = False, **kwargs: Any
+        self, cache_dir: str, keys: Sequence[str] | str | None = None, verify: bool = True, **kwargs: Any
     ) -> None:
         super().__init__(cache_dir, keys, cache_name=CACHE_NAME, verify=verify, **kwargs)
 
@@ -651,7 +652,7 @@ def build_eagle3_dataloader(
     distributed: bool = False,
     seed: int = 0,
     sampler: Sampler | None = None,
-    verify: bool = False,
+    verify: bool = True,
     keys: Sequence[str] | None = None,
     max_open_shards: int = 64,
     allow_incomplete: bool = False,
@@ -669,7 +670,8 @@ def build_eagle3_dataloader(
         distributed: give each rank its share (``torch.distributed`` must be initialised).
         seed: shuffling seed, the same on every rank.
         sampler: a sampler to use instead of the default.
-        verify: check shard checksums when first opened.
+        verify: check the checksums of the tensors read from each shard before its first read in each process
+            (default); ``False`` skips it (see :class:`speccache.read.CacheDataset`).
         keys: stored keys to read (see :class:`Eagle3CacheDataset`).
         max_open_shards: LRU bound on open shards per worker.
         allow_incomplete: read the whole shards of an unsealed cache.

@@ -433,7 +433,7 @@ class LayerFeatureDataset(CacheDataset):
         fields: Mapping[str, Sequence[int | str]],
         *,
         prenorm: bool = False,
-        verify: bool = False,
+        verify: bool = True,
         **kwargs: Any,
     ) -> None:
         self.fields = {name: list(ids) for name, ids in fields.items()}

@@ -63,6 +63,7 @@ from speccache.methods.eagle3 import SIDE_FILE as EAGLE3_SIDE
 from speccache.methods.eagle3 import Eagle3Target, Supervision, read_side_file
 from speccache.precompute.run import DTYPES, batch_pad_id, pad_tokens
 from speccache.read import CacheDataset
+from speccache.read.dataset import NO_VERIFY_HELP
 from speccache.read.source import CacheSource, open_source
 from speccache.read.view import ViewDataset
 from speccache.write.loops import batch_of, batch_span
@@ -270,6 +271,7 @@ def audit_cache(
     samples: int = 8,
     seed: int = 0,
     device: str | None = None,
+    verify: bool = True,
 ) -> AuditReport:
     """Re-run the target on the batches of ``samples`` random samples and compare every stored feature.
 
@@ -284,6 +286,8 @@ def audit_cache(
         samples: how many samples to draw (all of them when the cache holds fewer).
         seed: the draw's seed.
         device: where to run the target (default: CUDA when available).
+        verify: check the tensors read from each shard against their checksums first (``False``: ``--no-verify``,
+            which compares damaged bytes with the live features instead).
 
     Returns:
         The report; ``report.ok`` tells whether everything agreed.
@@ -320,7 +324,9 @@ def audit_cache(
     _check_side_weights(opened, loaded.model, report)
     view = ViewDataset(cache_dir) if opened.view is not None else None
     manifests = opened.manifests
-    datasets = [CacheDataset(d, cache_name=manifest.cache_name, allow_incomplete=True) for d in opened.dirs]
+    datasets = [
+        CacheDataset(d, cache_name=manifest.cache_name, allow_incomplete=True, verify=verify) for d in opened.dirs
+    ]
     total = len(view) if view is not None else len(datasets[0])
     drawn = sorted(random.Random(seed).sample(range(total), min(samples, total)))
     batches: dict[tuple[int, tuple[int, ...]], list[tuple[int, int]]] = {}  # (source, its batch) -> [(drawn, local)]
@@ -365,7 +371,7 @@ def _forward_input(sample: Any) -> dict[str, torch.Tensor]:
 def cmd_audit(args: argparse.Namespace) -> int:
     """Run ``speccache audit``: exit 0 when everything agrees, 1 when something does not, 2 on bad usage."""
     try:
-        report = audit_cache(args.cache_dir, args.model, args.samples, args.seed, args.device)
+        report = audit_cache(args.cache_dir, args.model, args.samples, args.seed, args.device, not args.no_verify)
     except (SpeccacheError, OSError, ValueError) as exc:
         print(f"speccache audit: error: {exc}", file=sys.stderr)
         return 2
@@ -396,4 +402,5 @@ def register_commands(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the draw (default 0)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--no-verify", action="store_true", help=NO_VERIFY_HELP)
     p.set_defaults(func=cmd_audit)

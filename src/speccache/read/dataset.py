@@ -25,23 +25,25 @@ import os
 import threading
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 from torch.utils.data import Dataset
 
 from speccache.errors import CacheCorruptError, CacheFormatError, CacheIncompleteError
 from speccache.format import (
+    OFFSETS_KEY,
     Manifest,
     NativeShard,
     Schema,
     ShardFile,
     bytes_view,
     existing_shard_indices,
-    file_checksum,
+    expected_parts,
     get_encoding,
     manifest_path,
     num_shards,
@@ -49,11 +51,19 @@ from speccache.format import (
     validate_contiguous_shards,
 )
 from speccache.format.reclaim import refuse_reclaimed
+from speccache.format.shard import checksum_mismatch, recorded_checksums
 from speccache.format.view import is_view
 
 Sample = dict[str, torch.Tensor]
 
-__all__ = ["CacheDataset", "Sample", "SampleView", "open_stacked_file"]
+__all__ = ["NO_VERIFY_HELP", "CacheDataset", "Sample", "SampleView", "open_stacked_file"]
+
+NO_VERIFY_HELP = (
+    "read the shards without checking the tensors read against their checksums (verify=False): a first epoch "
+    "from the page cache about a third shorter, from disk within ~10%%; a damaged byte is then read as data "
+    "(docs/benchmarks.md)"
+)
+"""The help of the ``--no-verify`` flag of the commands that read caches (``%`` doubled for argparse)."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +94,8 @@ class _OpenShard:
     raw rows from the file needs."""
 
     __slots__ = (
-        "shard", "path", "keys", "infos", "bases", "mapped", "long", "row_offsets", "fd", "size", "advice", "ahead"
+        "shard", "path", "keys", "infos", "bases", "mapped", "long", "row_offsets", "fd", "size", "advice", "ahead",
+        "check",
     )  # fmt: skip
 
     def __init__(
@@ -119,6 +130,8 @@ class _OpenShard:
         self.fd: int = shard.file.handle.fileno()  # the file the mapping shows, kept open by the shard
         self.advice = _advice_bytes(os.fstat(self.fd).st_dev)
         """Bytes per ``WILLNEED`` (see :func:`_advice_bytes`)."""
+        self.check: _DataCheck | None = None
+        """This process's pending check of the data read from the shard (``None``: passed, or not asked for)."""
 
     def span(self, key: str, local: int) -> tuple[int, int]:
         """Byte range of sample ``local``'s rows of raw key ``key``, from the key's first row."""
@@ -141,9 +154,22 @@ class _OpenShard:
                 "then restart the reader."
             )
 
+    def check_readable(self) -> None:
+        """Refuse to read from a file that shrank (:meth:`check_size`), or whose data fails its checksums (checked
+        by the first call of a process unless the :class:`_Checker` thread did).
+
+        Raises:
+            CacheCorruptError: the file shrank, or a tensor the reader reads differs from its checksum.
+        """
+        self.check_size()
+        check = self.check
+        if check is not None:
+            check.run(self)
+            self.check = None
+
     def sample(self, key: str, local: int) -> torch.Tensor:
         """Sample ``local``'s tensor of ``key``, in memory of its own (never a view of the mapping)."""
-        self.check_size()
+        self.check_readable()
         rows = self.shard.rows(key, local, local + 1)
         if self.bases[key] is not None:  # a view of the mapping: copy, so that the caller's edits stay the caller's
             rows = rows.clone()
@@ -330,6 +356,116 @@ def _pread_into(source: _OpenShard, dst: memoryview, offset: int) -> None:
         done += got
 
 
+_CHECK_CHUNK = 1 << 20
+"""Bytes read and hashed at a time by :class:`_DataCheck` (a buffer that stays in the CPU's cache while hashed)."""
+
+
+class _DataCheck:
+    """The check of an open shard's data, once per process: each tensor the reader reads (its keys' parts) hashed
+    against the xxh3-128 the shard's metadata records, before the shard's first read returns a byte.
+
+    The tensors are streamed with ``pread`` through one small buffer (not the mapping, whose touched pages would
+    stay mapped), in file order, which leaves them in the page cache for the reads that follow. Tensors the
+    reader does not read are not hashed. A shard that ``prefetch`` announces is checked by the
+    :class:`_Checker` thread while the batches before it are read; the first read runs the check itself if
+    the thread has not started it, or waits for the thread that has.
+    """
+
+    def __init__(self, file: ShardFile, names: Iterable[str], passed: Callable[[], None]) -> None:
+        # Holds no file: a reader keeps the checks of shards it has closed (LRU) until they run.
+        recorded = recorded_checksums(file)
+        start, entries = file.data_start, file.entries
+        self.tensors = [(n, start + entries[n][2], entries[n][3] - entries[n][2], recorded.get(n)) for n in names]
+        """``(name, file offset, nbytes, recorded checksum)`` of each tensor to check, in file order."""
+        self.tensors.sort(key=operator.itemgetter(1))
+        self._passed = passed
+        self.queued_by: int | None = None
+        """The process whose :class:`_Checker` it was handed to (once is enough)."""
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: CacheCorruptError | None = None
+
+    def run(self, source: _OpenShard, wait: bool = True) -> None:
+        """Check the tensors (read from ``source``, the shard open now) unless this process did; another thread
+        checking them is waited for, or with ``wait=False`` (the :class:`_Checker` thread) left to it, and a
+        failure is kept for the reader to raise.
+
+        Raises:
+            CacheCorruptError: (``wait`` only) a tensor differs from its checksum, or the file was truncated.
+        """
+        if self._pid != os.getpid():  # a forked worker: the parent's lock may be held by a thread it lacks
+            self._pid, self._lock = os.getpid(), threading.Lock()
+        if not self._lock.acquire(blocking=wait):
+            return
+        try:
+            if not self._done:
+                try:
+                    self._hash(source)
+                except CacheCorruptError as exc:
+                    self._error = exc
+                self._done = True
+                if self._error is None:
+                    self._passed()
+        finally:
+            self._lock.release()
+        if wait and self._error is not None:
+            raise CacheCorruptError(str(self._error))
+
+    def _hash(self, source: _OpenShard) -> None:
+        buf = memoryview(bytearray(min(_CHECK_CHUNK, max((t[2] for t in self.tensors), default=0))))
+        for name, offset, nbytes, recorded in self.tensors:
+            h = xxhash.xxh3_128()
+            end = offset + nbytes
+            while offset < end:
+                chunk = buf[: min(len(buf), end - offset)]
+                _pread_into(source, chunk, offset)
+                h.update(chunk)
+                offset += len(chunk)
+            if h.hexdigest() != recorded:
+                raise checksum_mismatch(source.path, name)
+
+
+class _Checker:
+    """Runs shards' data checks (:class:`_DataCheck`) on a daemon thread, in the order submitted.
+
+    ``prefetch`` submits the shards it announces, so that each is checked while the batches
+    before it are read, on another core: the hashing (``pread`` and xxh3 release the GIL)
+    then costs the reader little more than the wait for the first shard's check. The thread
+    runs only while checks are queued; only the process that made this object uses it.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[_DataCheck, _OpenShard]] = deque()
+        self._running = False
+
+    def submit(self, source: _OpenShard) -> None:
+        """Queue the pending check of ``source`` unless it was queued before; returns at once."""
+        check = source.check
+        if check is None or check.queued_by == self.pid:
+            return
+        check.queued_by = self.pid
+        with self._lock:
+            self._queue.append((check, source))
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._run, name="speccache-check", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._running = False
+                    return
+                check, source = self._queue.popleft()
+            try:
+                check.run(source, wait=False)
+            except OSError:
+                pass  # the shard's first read checks it again, and reports what is wrong
+
+
 class _ReadAhead:
     """Reads announced ranges into the page cache on a daemon thread, in the order given (file order).
 
@@ -464,13 +600,22 @@ class CacheDataset(Dataset):
     manifest's shard table, its recorded index and counts against the manifest, and the
     manifest file against the one this reader started from, so that a cache regenerated
     in place, or a shard replaced or truncated, raises :class:`CacheCorruptError` instead
-    of mixing data. ``verify`` adds the full checksum, once per process and shard.
+    of mixing data. With ``verify`` (the default) its data is checked too, once per process
+    and shard, before any of it is returned: the xxh3-128 of every tensor the reader reads
+    against the one the shard records, so that a damaged byte raises
+    :class:`CacheCorruptError` naming the shard and the tensor. The check streams those
+    tensors once (and so leaves them in the page cache for the reads that follow), on a
+    thread of its own for the shards a sampler announces through :meth:`prefetch`, else
+    at the shard's first read; tensors of keys the reader does not read are not hashed,
+    and later epochs of the process cost nothing more. ``verify=False`` skips it (its cost measured in
+    docs/benchmarks.md): a flipped byte is then returned as read.
 
     Args:
         cache_dir: the cache directory.
         keys: keys to read (default: every key of the schema); a single name is one key.
         cache_name: kind of cache expected; default: whatever the manifest says.
-        verify: check each shard's checksum the first time this process opens it.
+        verify: check the tensors read from each shard against their checksums before this process's first read
+            of it (default); ``False`` returns the bytes unchecked.
         max_open_shards: LRU bound on open shards per process.
         allow_incomplete: read the whole shards of an unsealed cache (the contiguous prefix).
         follow: read the cache while it is written: ``True`` or :class:`speccache.read.follow.Follow` settings
@@ -510,7 +655,7 @@ class CacheDataset(Dataset):
         keys: Sequence[str] | str | None = None,
         *,
         cache_name: str | None = None,
-        verify: bool = False,
+        verify: bool = True,
         max_open_shards: int = 64,
         allow_incomplete: bool = False,
         follow: bool = False,
@@ -562,7 +707,14 @@ class CacheDataset(Dataset):
                 raise
         self._open: OrderedDict[int, _OpenShard] = OrderedDict()
         self._verified: set[int] = set()
+        self._checks: dict[int, _DataCheck] = {}
+        """Checks of shards not passed yet, kept across reopenings."""
         self._ahead: _ReadAhead | None = None
+        self._check_thread: _Checker | None = None
+        self._reader_pid: int | None = None
+        """The process that reads samples: ``prefetch`` hashes ahead only in it. A DataLoader's workers each
+        check for themselves, so the main process, whose sampler calls ``prefetch``, hashes nothing for them
+        (see :meth:`_reading`)."""
         self._layout: tuple[dict[str, KeyLayout], list[str]] | None = None
         """The shards' key layouts and raw keys (one schema: computed once; per process, see ``_shared``)."""
 
@@ -591,7 +743,10 @@ class CacheDataset(Dataset):
         state = self.__dict__.copy()
         state["_open"] = OrderedDict()
         state["_verified"] = set()  # another process verifies for itself
+        state["_checks"] = {}
         state["_ahead"] = None  # and reads ahead for itself
+        state["_check_thread"] = None
+        state["_reader_pid"] = None
         state["_layout"] = None  # and shares layouts with its own other readers
         return state
 
@@ -601,6 +756,22 @@ class CacheDataset(Dataset):
             self._ahead = _ReadAhead()
             weakref.finalize(self, self._ahead.close)
         return self._ahead
+
+    def _reading(self) -> None:
+        """Note that this process reads samples; on its first read, hand the checks of the shards ``prefetch``
+        opened before it (a sampler announces its first window before the first batch) to the checker thread."""
+        pid = os.getpid()
+        if self._reader_pid != pid:
+            self._reader_pid = pid
+            if self.verify and not self.follow:
+                for opened in list(self._open.values()):
+                    self._checker().submit(opened)
+
+    def _checker(self) -> _Checker:
+        """This process's :class:`_Checker` (a forked worker makes its own)."""
+        if self._check_thread is None or self._check_thread.pid != os.getpid():
+            self._check_thread = _Checker()
+        return self._check_thread
 
     def _shard(self, index: int) -> NativeShard:
         """The open shard ``index``."""
@@ -615,18 +786,19 @@ class CacheDataset(Dataset):
         self._check_manifest_unchanged(path)
         record = self.manifest.shards.get(index)
         verify = self.verify and index not in self._verified
-        if verify and record is not None and file_checksum(path) != record.checksum:
-            raise CacheCorruptError(
-                f"{path}: file checksum differs from the manifest's shard table (damaged or replaced shard). "
-                "Delete it and re-run the producer with --resume."
-            )
+        schema = self.manifest.schema
+        # A follower checks each sealed shard whole as it opens it; other readers check the row offsets now (the
+        # shard's structure checks read them) and the tensors they read before their first read (_DataCheck).
+        check_now: bool | tuple[str, ...] = False
+        if verify:
+            check_now = True if self.follow else (OFFSETS_KEY,) if OFFSETS_KEY in expected_parts(schema) else ()
         try:
             shard = NativeShard(
                 path,
-                self.manifest.schema,
+                schema,
                 index,
                 self.manifest.shard_samples(index),
-                verify=verify and record is None,
+                verify=check_now,
                 expected_bytes=record.bytes if record is not None else None,
             )
         except OSError as exc:
@@ -638,16 +810,28 @@ class CacheDataset(Dataset):
                     "lower max_open_shards or num_workers, or raise the limit (ulimit -n).",
                 ) from exc
             raise
-        if verify:
+        if verify and self.follow:
             self._verified.add(index)
         if self.follow:  # a reclaimed shard's space is freed only once no descriptor holds it
             for gone in [i for i, o in self._open.items() if _unlinked(o.fd)]:
                 del self._open[gone]
         opened = self._wrap(shard)
+        if verify and not self.follow:
+            # A shard reopened before its check ran (evicted by the LRU) keeps that check: hashed once.
+            opened.check = self._checks.get(index)
+            if opened.check is None:
+                parts = expected_parts(self.schema) - {OFFSETS_KEY}
+                check = _DataCheck(shard.file, parts, functools.partial(self._passed, index))
+                opened.check = self._checks[index] = check
         self._open[index] = opened
         if len(self._open) > self.max_open_shards:
             self._open.popitem(last=False)  # closed once no sample of an in-flight batch refers to it
         return opened
+
+    def _passed(self, index: int) -> None:
+        """Shard ``index``'s data passed its check (on whichever thread ran it)."""
+        self._verified.add(index)
+        self._checks.pop(index, None)
 
     def _check_manifest_unchanged(self, path: str) -> None:
         """Refuse to open ``path`` if the cache was rewritten with another configuration since this reader started.
@@ -692,6 +876,7 @@ class CacheDataset(Dataset):
         """Samples at ``indices`` (in that order) as :class:`SampleView` objects."""
         if isinstance(indices, torch.Tensor):
             indices = indices.tolist()
+        self._reading()
         out: list[Sample] = []
         opened: dict[int, _OpenShard] = {}  # each shard looked up once per batch
         for index in indices:
@@ -730,7 +915,10 @@ class CacheDataset(Dataset):
         cached are announced; short ones rely on the kernel's read-around of the mapping
         (probing and queueing each would cost more than a fault). A background thread
         reads them shard by shard, in the order the indices first need the shards, each
-        in file order, so that the disk streams through them; a batch that needs one of
+        in file order, so that the disk streams through them; a shard whose data this
+        process has not checked yet is checked on another thread meanwhile (``verify``,
+        see :class:`_Checker`; only in a process that reads batches itself, not for a
+        DataLoader's workers); a batch that needs one of
         them before it is read waits for it. Each shard's reads are queued as soon as
         that shard is open, so that the disk starts on the first shard while the
         others' headers are read.
@@ -738,6 +926,8 @@ class CacheDataset(Dataset):
         probe = memoryview(bytearray(1))
         for shard, locals_ in self._by_shard(indices).items():
             opened = self._open_shard(shard)
+            if opened.check is not None and self._reader_pid == os.getpid():
+                self._checker().submit(opened)
             wanted = []
             for key, base in opened.long.items():
                 for local in locals_:
@@ -807,9 +997,10 @@ class CacheDataset(Dataset):
         if unknown:
             raise KeyError(f"keys {unknown} are not among this reader's keys {list(self.keys)}; open it with them")
         shard, local = self._split(index)
+        self._reading()
         opened = self._open_shard(shard)
         first, last = _row_range(rows, opened.row_offsets[local + 1] - opened.row_offsets[local])
-        opened.check_size()
+        opened.check_readable()
         out: dict[str, torch.Tensor] = {}
         for key in names:
             if self.schema[key].ragged:
@@ -905,7 +1096,7 @@ class BatchRows:
         self.starts = [source.row_offsets[local] for source, local in zip(self.sources, self.locals)]
         self.ends = [source.row_offsets[local] for source, local in zip(self.sources, self.nexts)]
         for source in {id(source): source for source in self.sources}.values():
-            source.check_size()  # before any read touches a mapping: a read past a file's end is SIGBUS
+            source.check_readable()  # before any read touches a mapping: a read past a file's end is SIGBUS
 
     def counts(self) -> list[int]:
         """Rows of each sample's ragged keys."""

@@ -12,6 +12,7 @@ import torch
 from speccache.data import check_model_source
 from speccache.devices import target_device
 from speccache.methods.base import DTYPES, dtype_name
+from speccache.read.dataset import NO_VERIFY_HELP
 from speccache.units import counted
 
 
@@ -39,6 +40,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         intermediate_size=args.intermediate_size,
         compute_dtype=args.compute_dtype,
         device=args.device,
+        verify=not args.no_verify,
         follow=Follow(
             replay=args.replay,
             reclaim=args.reclaim,
@@ -163,6 +165,7 @@ def register_commands(sub: Any) -> None:
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest on a busy CPU)")
+    p.add_argument("--no-verify", action="store_true", help=NO_VERIFY_HELP)
     p.add_argument(
         "--follow",
         action="store_true",

@@ -263,6 +263,7 @@ def train(
     device: str | None = None,
     follow: Follow | None = None,
     log: Callable[[str], None] | None = None,
+    verify: bool = True,
 ) -> TrainResult:
     """Train a fresh draft on ``cache_dir`` and save it to ``out`` (see :mod:`speccache.train.draft`), with its
     training log (``train_log.jsonl``: one JSON line per optimizer step, written as it trains) and loss curve
@@ -276,9 +277,11 @@ def train(
     :func:`speccache.devices.target_device`). ``follow`` trains while the cache is written: one pass over each
     shard as it is sealed (``follow.replay`` passes within its window), in batches of consecutive samples of the
     shuffled passes, ending once the producer has sealed the cache; the schedule spans the samples the cache
-    declares (docs/training.md).
+    declares (docs/training.md). ``verify=False`` skips the check of each shard's data before its first read
+    (a follower checks every shard it reads whatever it says; see :class:`speccache.read.CacheDataset`).
 
     Raises:
+        CacheCorruptError: a tensor read from a shard differs from its checksum (names the shard and the tensor).
         FileExistsError: ``out`` already holds a draft (checked before training).
         ValueError: a non-positive ``epochs``, ``batch_size``, ``ttt_steps``, ``lr``, ``max_steps``,
             ``step_decay`` or ``intermediate_size``, a ``warmup`` outside [0, 1), an unknown ``supervise`` or
@@ -312,7 +315,9 @@ def train(
         dataset = Eagle3CacheDataset(cache_dir, keys=["input_ids"])
         base = reader_sampler(dataset, shuffle=True, distributed=False, seed=seed)
         sampler = LengthGroupedSampler(base, dataset.sample_lengths(), batch_size, seed)
-        loader = build_eagle3_dataloader(cache_dir, batch_size=batch_size, shuffle=False, sampler=sampler)
+        loader = build_eagle3_dataloader(
+            cache_dir, batch_size=batch_size, shuffle=False, sampler=sampler, verify=verify
+        )
     draft, head = draft_for_cache(cache_dir, intermediate_size)
     draft, head = draft.to(where), head.to(where)
     optimizer = make_optimizer(draft, lr)
