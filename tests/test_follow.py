@@ -387,3 +387,64 @@ def test_kill_9_of_producer_and_trainer_at_random_moments_loses_and_repeats_noth
     assert manifest.complete
     assert cli_main(["verify", out]) == 0
     assert not any(SHARD_RE.match(n) for n in os.listdir(out))
+
+
+@pytest.fixture(scope="module")
+def demo_run(tiny_models, tmp_path_factory):
+    """``(precompute argv without --out, an uninterrupted cache of it)`` on the tiny target: 4 shards of 16."""
+    from speccache.demo import demo_data_path
+
+    argv = ["precompute", "--model", tiny_models("llama"), "--data", demo_data_path(), "--batch-size", "8"]
+    argv += ["--shard-size", "16", "--max-length", "512", "--limit", "64", "--dtype", "fp32", "--quiet"]
+    whole = str(tmp_path_factory.mktemp("demo-run") / "whole")
+    assert cli_main([*argv, "--out", whole]) == 0
+    return argv, whole
+
+
+def _reclaim_first_shard(out: str, reclaim_to: str | None) -> None:
+    """A trainer that follows ``out``, trains on one batch (shard 0's 16 samples), acknowledges it and stops."""
+    loader = CacheDataset(out, follow=Follow(ordered=True, reclaim=True, reclaim_to=reclaim_to, **FAST)).loader(
+        16, acknowledge="manual"
+    )
+    it = iter(loader)
+    next(it)
+    loader.acknowledge()
+    del it
+
+
+@pytest.mark.parametrize(
+    "state,move", [("killed", False), ("killed", True), ("sealed", False), ("sealed", True)], ids=lambda v: str(v)
+)
+def test_a_producer_resumes_after_a_trainer_reclaimed_a_shard(demo_run, tmp_path, state, move, offline_single_thread):
+    argv, whole = demo_run
+    out = str(tmp_path / "c")
+    moved = str(tmp_path / "cold") if move else None
+    if state == "killed":  # paused at its cap of 2 unreclaimed shards after shard 2, then killed
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        cmd = [sys.executable, "-m", "speccache", *argv, "--out", out, "--max-cache-shards", "2"]
+        producer = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+        try:
+            _reclaim_first_shard(out, moved)
+            deadline = time.monotonic() + 120
+            while not os.path.exists(shard_path(out, 2)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            producer.kill()
+            producer.wait()
+        assert not Manifest.read(out).complete
+    else:
+        assert cli_main([*argv, "--out", out]) == 0
+        _reclaim_first_shard(out, moved)
+    assert not os.path.exists(shard_path(out, 0)) and os.path.exists(reclaim_path(out, 0))
+    assert cli_main([*argv, "--out", out, "--resume"]) == 0
+    done, ref = Manifest.read(out), Manifest.read(whole)
+    assert done.complete and done.reclaimed == (0,)
+    assert (done.shards, done.num_samples, done.num_tokens, done.stats) == (ref.shards, ref.num_samples,
+                                                                             ref.num_tokens, ref.stats)  # fmt: skip
+    for index in range(1, 4):
+        assert open(shard_path(out, index), "rb").read() == open(shard_path(whole, index), "rb").read()
+    if move:
+        assert (
+            open(os.path.join(moved, "shard-000000.safetensors"), "rb").read()
+            == open(shard_path(whole, 0), "rb").read()
+        )
