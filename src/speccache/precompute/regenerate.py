@@ -498,4 +498,10 @@ def register_commands(sub: Any) -> None:
     """Add ``regenerate`` to the CLI."""
     p = sub.add_parser("regenerate", help="the target writes the assistant turns of chat data (self-distillation)")
     add_regenerate_arguments(p)
-    p.set_defaults(func=cmd_regenerate)
+    p.set_defaults(
+        func=cmd_regenerate,
+        interrupted=lambda args, command: (
+            f"the parts written so far in {args.out} are kept; resume with: "
+            + (command if args.resume else f"{command} --resume")
+        ),
+    )
