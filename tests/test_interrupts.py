@@ -9,6 +9,7 @@ recorded settings, byte for byte the uninterrupted run's.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -77,7 +78,7 @@ def test_ctrl_c_of_precompute_says_how_to_resume_and_resume_alone_finishes_it(ru
     monkeypatch.chdir(tmp_path)
     result = _interrupt([*argv, "--out", "c"], signal.SIGINT, lambda: os.path.exists(shard_path("c", 0)))
     assert result.returncode == 130, result.stderr
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr and "Exception" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("speccache precompute: interrupted; ") and "whole shards are kept in c" in last
     assert last.endswith("resume with: speccache precompute --out c --resume"), last
@@ -96,7 +97,8 @@ def test_ctrl_c_of_precompute_says_how_to_resume_and_resume_alone_finishes_it(ru
     assert main(["inspect", "c"]) == 0
     shown = capsys.readouterr().out
     assert f"written by speccache {manifest['producer']['version']}" in shown
-    assert "precompute --model" in shown and "--out c --resume" in shown and str(tmp_path) in shown
+    # the command that started the cache stays recorded (a resume of a resume does not grow it)
+    assert f"speccache {shlex.join([*argv, '--out', 'c'])} (run in {tmp_path})" in shown
 
 
 def test_a_resume_alone_still_refuses_flags_that_differ_and_needs_the_recorded_directory(run, tmp_path, monkeypatch):
@@ -119,7 +121,7 @@ def test_sigterm_of_precompute_exits_143_with_the_line(run, tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     result = _interrupt([*argv, "--out", "c"], signal.SIGTERM, lambda: os.path.exists(shard_path("c", 0)))
     assert result.returncode == 143, result.stderr
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr and "Exception" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("speccache precompute: terminated (SIGTERM); ")
     assert not os.path.exists("c/.speccache.lock")
 
@@ -135,7 +137,7 @@ def test_ctrl_c_of_train_says_nothing_was_saved_and_the_command(run, tmp_path):
 
     result = _interrupt(argv, signal.SIGINT, stepping)
     assert result.returncode == 130, result.stderr
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr and "Exception" not in result.stderr
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith(f"speccache train: interrupted; nothing was saved to {tmp_path / 'draft'}")
     assert line.endswith(

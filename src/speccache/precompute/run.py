@@ -862,13 +862,18 @@ def resume_argv(argv: list[str]) -> list[str]:
 
     Raises:
         ValueError: the manifest records no command, or one run from another directory (its relative paths).
-        FileNotFoundError, CacheFormatError: DIR has no readable manifest.
+        CacheFormatError: DIR's manifest cannot be read.
     """
     out = _flag(argv, "--out")
     if argv[:1] != ["precompute"] or "--resume" not in argv or out is None:
         return argv
     if _flag(argv, "--model") is not None and _flag(argv, "--data") is not None:
         return argv
+    if not os.path.lexists(manifest_path(out)):
+        raise ValueError(
+            f"--resume without --model and --data runs the command recorded in {manifest_path(out)}, which does not "
+            "exist (nothing of a cache was written there); give the whole command"
+        )
     producer = load_manifest_json(manifest_path(out)).get("producer") or {}
     recorded, cwd = producer.get("argv"), producer.get("cwd")
     if not (
@@ -891,16 +896,20 @@ def describe_interrupted(args: argparse.Namespace, command: str) -> str:
     """What an interrupted ``precompute`` keeps in ``--out`` and the command that resumes it."""
     out = args.out
     try:
-        recorded = isinstance((load_manifest_json(manifest_path(out)).get("producer") or {}).get("argv"), list)
+        producer = load_manifest_json(manifest_path(out)).get("producer") or {}
     except (OSError, SpeccacheError):
-        recorded = False
+        producer = {}
+    recorded = isinstance(producer.get("argv"), list) and producer.get("cwd") == os.getcwd()  # resume_argv's needs
     shards = len(existing_shard_indices(out)) + len(read_reclaims(out)) if os.path.isdir(out) else 0
     if args.append:
         return f"the sealed samples of {out} are kept; finish the append with the same command: {command}"
-    if not recorded and not shards:
+    if not producer and not shards:
         return f"nothing was written to {out}; start again: {command}"
-    again = f"speccache precompute --out {shlex.quote(out)} --resume" if recorded else f"{command} --resume"
-    return f"{shards} whole shards are kept in {out}; resume with: {again if '--resume' not in args.argv else command}"
+    if recorded:
+        again = f"speccache precompute --out {shlex.quote(out)} --resume"
+    else:
+        again = command if "--resume" in args.argv else f"{command} --resume"
+    return f"{shards} whole shards are kept in {out}; resume with: {again}"
 
 
 def cmd_precompute(args: argparse.Namespace) -> int:

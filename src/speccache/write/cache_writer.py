@@ -123,7 +123,8 @@ class CacheWriter:
         cap: pause before each shard while the cache's unconsumed shards reach this cap (a trainer following the
             cache with ``reclaim`` frees them); a run setting, not part of the cache's configuration.
         command: the command line that runs this producer (``speccache`` left out), recorded with the working
-            directory in the manifest's ``producer`` (informational; a resume does not compare it).
+            directory in the manifest's ``producer`` (informational; a resume does not compare it, and keeps the
+            command that started the cache).
 
     Raises:
         CacheExistsError, ConfigMismatchError, CacheLockedError, OutputError: from :meth:`preflight` and
@@ -221,6 +222,9 @@ class CacheWriter:
             self._lock.acquire()
             try:
                 found = self._check_directory()
+                if found is not None and "argv" in found.producer:  # the command that started the cache stays
+                    self._producer = {**self._producer, **{k: found.producer.get(k) for k in ("argv", "cwd")}}
+                    self.manifest.producer = self._producer
                 removed = remove_temp_files(self.cache_dir)
                 finish_reclaims(self.cache_dir, read_reclaims(self.cache_dir))  # a reclaimer killed half-way
                 if removed:
