@@ -144,3 +144,15 @@ def test_ctrl_c_of_train_says_nothing_was_saved_and_the_command(run, tmp_path):
         f"train again with: speccache train {whole} --out {tmp_path / 'draft'} --epochs 1000 --batch-size 4"
     )
     assert not os.path.exists(tmp_path / "draft" / "model.safetensors")
+
+
+def test_ctrl_c_of_regenerate_keeps_its_parts_and_says_resume(tiny_models, tmp_path):
+    out = str(tmp_path / "regen")
+    argv = ["regenerate", "--model", tiny_models("llama"), "--data", demo_data_path(), "--out", out]
+    argv += ["--limit", "240", "--max-new-tokens", "256", "--part-size", "8", "--device", "cpu"]
+    result = _interrupt(argv, signal.SIGINT, lambda: os.path.exists(os.path.join(out, "part-00000.jsonl")))
+    assert result.returncode == 130, result.stderr
+    assert "Traceback" not in result.stderr and "Exception" not in result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line == (f"speccache regenerate: interrupted; the parts written so far in {out} are kept; resume with: "
+                    f"speccache {shlex.join(argv)} --resume")  # fmt: skip

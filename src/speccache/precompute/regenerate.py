@@ -484,7 +484,7 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     """Run ``speccache regenerate``."""
     import sys
 
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "func", "interrupted", "argv")}
     config = RegenerateConfig(**options, progress=sys.stderr.isatty())
     result = regenerate(config)
     print(
