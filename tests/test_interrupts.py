@@ -91,7 +91,8 @@ def test_ctrl_c_of_precompute_says_how_to_resume_and_resume_alone_finishes_it(ru
 
     assert main(["precompute", "--out", "c", "--resume"]) == 0
     said = capsys.readouterr().out
-    assert f"speccache: resuming c: kept {kept} of 4 shards ({16 * kept} samples), computing {4 - kept} shards " in said
+    computing = f"computing {4 - kept} shard{'s' if kept < 3 else ''} ({16 * (4 - kept)} samples)"
+    assert f"speccache: resuming c: kept {kept} of 4 shards ({16 * kept} samples), {computing}" in said
     assert _files("c") == _files(whole)
     assert _without_producer("c") == _without_producer(whole)
     assert main(["inspect", "c"]) == 0

@@ -757,7 +757,8 @@ def resume_line(out: str, manifest: Manifest, todo_shards: int, todo_samples: in
     """What a resume keeps and computes, e.g. ``resuming c: kept 3 of 4 shards (48 samples), computing 1 shard
     (16 samples)``."""
     kept = manifest.num_shards - todo_shards
-    computing = f"computing {todo_shards} shards ({todo_samples} samples)" if todo_shards else "nothing to compute"
+    shards = "shard" if todo_shards == 1 else "shards"
+    computing = f"computing {todo_shards} {shards} ({todo_samples} samples)" if todo_shards else "nothing to compute"
     return (
         f"speccache: resuming {out}: kept {kept} of {manifest.num_shards} shards "
         f"({manifest.num_samples - todo_samples} samples), {computing}"
