@@ -448,3 +448,31 @@ def test_a_producer_resumes_after_a_trainer_reclaimed_a_shard(demo_run, tmp_path
             open(os.path.join(moved, "shard-000000.safetensors"), "rb").read()
             == open(shard_path(whole, 0), "rb").read()
         )
+
+
+def test_the_resume_count_of_cleared_samples_reads_a_record_for_a_shard_reclaimed_meanwhile(tmp_path, monkeypatch):
+    from speccache.methods import finite
+
+    out = str(tmp_path / "c")
+    write_synthetic_cache(out, num_samples=N, shard_size=SHARD, batch_size=4)
+    schema = Manifest.read(out).schema
+    stream = iter(CacheDataset(out, follow=Follow(ordered=True, reclaim=True, **FAST)))
+    for _ in range(SHARD + 1):  # shard 0 read and reclaimed
+        next(stream)
+    record = json.loads(open(reclaim_path(out, 0)).read())
+    assert record["cleared"] == 0 and not os.path.exists(shard_path(out, 0))
+    record["cleared"] = 3  # as if a trainer had reclaimed a shard with three cleared samples
+    with open(reclaim_path(out, 0), "w") as f:
+        json.dump(record, f)
+    counter = finite.ClearedCounter(lambda *args: "")
+    counter.count_kept(out, schema, [0, 1])
+    assert counter.counts == {0: 3, 1: 0}
+    # the record appears only after the counter first looked (the trainer reclaimed shard 0 meanwhile)
+    real, calls = finite.read_reclaims, []
+    monkeypatch.setattr(finite, "read_reclaims", lambda d: real(d) if calls.append(d) or len(calls) > 1 else {})
+    counter.count_kept(out, schema, [0])
+    assert counter.counts[0] == 3 and len(calls) == 2
+    monkeypatch.undo()
+    os.unlink(shard_path(out, 2))  # gone with no record: not silently counted as 0
+    with pytest.raises(FileNotFoundError, match="shard-000002.safetensors: a kept shard is gone, with no reclaim"):
+        counter.count_kept(out, schema, [2])
