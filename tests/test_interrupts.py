@@ -20,7 +20,6 @@ import pytest
 import speccache
 from speccache.cli import main
 from speccache.demo import demo_data_path
-from speccache.errors import ConfigMismatchError
 from speccache.format import load_manifest_json, manifest_path, shard_path
 
 pytestmark = pytest.mark.usefixtures("offline_single_thread")
@@ -102,19 +101,25 @@ def test_ctrl_c_of_precompute_says_how_to_resume_and_resume_alone_finishes_it(ru
     assert f"speccache {shlex.join([*argv, '--out', 'c'])} (run in {tmp_path})" in shown
 
 
-def test_a_resume_alone_still_refuses_flags_that_differ_and_needs_the_recorded_directory(run, tmp_path, monkeypatch):
-    argv, whole = run
+def test_a_resume_alone_still_refuses_flags_that_differ_and_needs_the_recorded_directory(
+    run, tmp_path, monkeypatch, capsys
+):
+    argv, _ = run
     monkeypatch.chdir(tmp_path)
     assert main([*argv, "--out", "c", "--quiet"]) == 0
-    with pytest.raises(ConfigMismatchError, match="config.max_length: cache has 512, this run has 256"):
-        from speccache.cli import build_parser
-        from speccache.precompute.run import PrecomputeConfig, resume_argv, run_precompute
-
-        args = build_parser().parse_args(resume_argv(["precompute", "--out", "c", "--resume", "--max-length", "256"]))
-        run_precompute(PrecomputeConfig.from_args(args), progress=False)
+    before = open(manifest_path("c"), "rb").read()
+    capsys.readouterr()
+    assert main(["precompute", "--out", "c", "--resume", "--max-length", "256"]) == 1
+    assert "config.max_length: cache has 512, this run has 256" in capsys.readouterr().err
+    assert main(["precompute", "--out", "new", "--resume"]) == 2
+    assert "which does not exist (nothing of a cache was written there)" in capsys.readouterr().err
     os.mkdir("elsewhere")
     monkeypatch.chdir("elsewhere")
     assert main(["precompute", "--out", "../c", "--resume"]) == 2
+    assert f"ran in {tmp_path}, and its paths may be relative to it; resume from there: cd {tmp_path} && " in (
+        capsys.readouterr().err
+    )
+    assert open(manifest_path("../c"), "rb").read() == before
 
 
 def test_sigterm_of_precompute_exits_143_with_the_line(run, tmp_path, monkeypatch):
