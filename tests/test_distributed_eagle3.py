@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -36,7 +37,10 @@ def _env() -> dict[str, str]:
 
 
 def _files(cache: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(cache.iterdir()) if not p.name.startswith(".")}
+    files = {p.name: p.read_bytes() for p in sorted(cache.iterdir()) if not p.name.startswith(".")}
+    manifest = json.loads(files["manifest.json"])
+    del manifest["producer"]  # each run's own command line
+    return {**files, "manifest.json": json.dumps(manifest, sort_keys=True).encode()}
 
 
 @pytest.fixture(scope="module")

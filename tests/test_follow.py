@@ -387,3 +387,92 @@ def test_kill_9_of_producer_and_trainer_at_random_moments_loses_and_repeats_noth
     assert manifest.complete
     assert cli_main(["verify", out]) == 0
     assert not any(SHARD_RE.match(n) for n in os.listdir(out))
+
+
+@pytest.fixture(scope="module")
+def demo_run(tiny_models, tmp_path_factory):
+    """``(precompute argv without --out, an uninterrupted cache of it)`` on the tiny target: 4 shards of 16."""
+    from speccache.demo import demo_data_path
+
+    argv = ["precompute", "--model", tiny_models("llama"), "--data", demo_data_path(), "--batch-size", "8"]
+    argv += ["--shard-size", "16", "--max-length", "512", "--limit", "64", "--dtype", "fp32", "--quiet"]
+    whole = str(tmp_path_factory.mktemp("demo-run") / "whole")
+    assert cli_main([*argv, "--out", whole]) == 0
+    return argv, whole
+
+
+def _reclaim_first_shard(out: str, reclaim_to: str | None) -> None:
+    """A trainer that follows ``out``, trains on one batch (shard 0's 16 samples), acknowledges it and stops."""
+    loader = CacheDataset(out, follow=Follow(ordered=True, reclaim=True, reclaim_to=reclaim_to, **FAST)).loader(
+        16, acknowledge="manual"
+    )
+    it = iter(loader)
+    next(it)
+    loader.acknowledge()
+    del it
+
+
+@pytest.mark.parametrize(
+    "state,move", [("killed", False), ("killed", True), ("sealed", False), ("sealed", True)], ids=lambda v: str(v)
+)
+def test_a_producer_resumes_after_a_trainer_reclaimed_a_shard(demo_run, tmp_path, state, move, offline_single_thread):
+    argv, whole = demo_run
+    out = str(tmp_path / "c")
+    moved = str(tmp_path / "cold") if move else None
+    if state == "killed":  # paused at its cap of 2 unreclaimed shards after shard 2, then killed
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        cmd = [sys.executable, "-m", "speccache", *argv, "--out", out, "--max-cache-shards", "2"]
+        producer = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+        try:
+            _reclaim_first_shard(out, moved)
+            deadline = time.monotonic() + 120
+            while not os.path.exists(shard_path(out, 2)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            producer.kill()
+            producer.wait()
+        assert not Manifest.read(out).complete
+    else:
+        assert cli_main([*argv, "--out", out]) == 0
+        _reclaim_first_shard(out, moved)
+    assert not os.path.exists(shard_path(out, 0)) and os.path.exists(reclaim_path(out, 0))
+    assert cli_main([*argv, "--out", out, "--resume"]) == 0
+    done, ref = Manifest.read(out), Manifest.read(whole)
+    assert done.complete and done.reclaimed == (0,)
+    assert (done.shards, done.num_samples, done.num_tokens, done.stats) == (ref.shards, ref.num_samples,
+                                                                             ref.num_tokens, ref.stats)  # fmt: skip
+    for index in range(1, 4):
+        assert open(shard_path(out, index), "rb").read() == open(shard_path(whole, index), "rb").read()
+    if move:
+        assert (
+            open(os.path.join(moved, "shard-000000.safetensors"), "rb").read()
+            == open(shard_path(whole, 0), "rb").read()
+        )
+
+
+def test_the_resume_count_of_cleared_samples_reads_a_record_for_a_shard_reclaimed_meanwhile(tmp_path, monkeypatch):
+    from speccache.methods import finite
+
+    out = str(tmp_path / "c")
+    write_synthetic_cache(out, num_samples=N, shard_size=SHARD, batch_size=4)
+    schema = Manifest.read(out).schema
+    stream = iter(CacheDataset(out, follow=Follow(ordered=True, reclaim=True, **FAST)))
+    for _ in range(SHARD + 1):  # shard 0 read and reclaimed
+        next(stream)
+    record = json.loads(open(reclaim_path(out, 0)).read())
+    assert record["cleared"] == 0 and not os.path.exists(shard_path(out, 0))
+    record["cleared"] = 3  # as if a trainer had reclaimed a shard with three cleared samples
+    with open(reclaim_path(out, 0), "w") as f:
+        json.dump(record, f)
+    counter = finite.ClearedCounter(lambda *args: "")
+    counter.count_kept(out, schema, [0, 1])
+    assert counter.counts == {0: 3, 1: 0}
+    # the record appears only after the counter first looked (the trainer reclaimed shard 0 meanwhile)
+    real, calls = finite.read_reclaims, []
+    monkeypatch.setattr(finite, "read_reclaims", lambda d: real(d) if calls.append(d) or len(calls) > 1 else {})
+    counter.count_kept(out, schema, [0])
+    assert counter.counts[0] == 3 and len(calls) == 2
+    monkeypatch.undo()
+    os.unlink(shard_path(out, 2))  # gone with no record: not silently counted as 0
+    with pytest.raises(FileNotFoundError, match="shard-000002.safetensors: a kept shard is gone, with no reclaim"):
+        counter.count_kept(out, schema, [2])

@@ -161,3 +161,18 @@ def test_guard_fixed_keys_inf_and_finite_batches():
     assert rows["feat"][2:].eq(0).all() and rows["feat"][:2].eq(1).all() and rows["per_sample"][1].eq(0).all()
     assert rows["input_ids"].tolist() == [0, 1, 2, 3, 4] and rows["source_row"].tolist() == [7, 9]
     assert count_cleared(rows) == 1
+
+
+def test_a_resume_counts_the_cleared_samples_of_shards_a_trainer_reclaimed(setup, tmp_path):
+    from speccache.read import CacheDataset
+    from speccache.read.follow import Follow
+
+    _, nan_dir, _, _, poisoned = setup
+    out = str(tmp_path / "skip")
+    assert _precompute(nan_dir, out, "--nonfinite", "skip") == 0
+    list(CacheDataset(out, follow=Follow(reclaim=True, poll=0.01, timeout=60)))  # every shard read, then deleted
+    assert not any(os.path.exists(shard_path(out, i)) for i in range(LIMIT // 2))
+    assert _precompute(nan_dir, out, "--nonfinite", "skip", "--resume") == 0
+    manifest = load_manifest_json(manifest_path(out))
+    assert manifest["stats"]["skipped_rows"]["nonfinite"] == len(poisoned)
+    assert manifest["reclaimed"] == list(range(LIMIT // 2))

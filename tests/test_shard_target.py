@@ -63,6 +63,7 @@ def _precompute(model: str, out: Path, dtype: str, nproc: int, *extra: str, **en
 def _without_parallel(manifest: bytes) -> dict:
     body = json.loads(manifest)
     body.get("stats", {}).pop("parallel", None)
+    body.pop("producer")  # each run's own command line
     return body
 
 

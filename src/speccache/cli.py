@@ -1,7 +1,8 @@
 """The ``speccache`` command line: ``precompute``, ``inspect``, ``verify``, ``estimate``, ``train``, ``evaluate``...
 
 Exit codes: 0 success, 1 a failed check or a speccache error (message on
-stderr, no traceback), 2 bad usage.
+stderr, no traceback), 2 bad usage, 130 interrupted (Ctrl-C, SIGINT), 143 terminated (SIGTERM): one line says
+what was kept and the command that resumes.
 """
 
 from __future__ import annotations
@@ -9,7 +10,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import shlex
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -56,6 +61,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         )
     for name, size in (info["side_file_bytes"] or {}).items():
         print(f"side file  {name}: {human_bytes(size)}")
+    producer = info["producer"]
+    command = producer.get("argv")
+    print(
+        f"producer   written by {producer.get('name', '?')} {producer.get('version', '?')}"
+        + (f": speccache {shlex.join(command)} (run in {producer.get('cwd')})" if isinstance(command, list) else "")
+    )
     if info["reclaimed"]:
         print(
             f"reclaimed  {len(info['reclaimed'])} shards deleted after use by a trainer that followed the cache "
@@ -280,19 +291,64 @@ def quiet_libraries(quiet: bool) -> Iterator[None]:
             transformers_logging.enable_progress_bar()
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that a run unwinds as on Ctrl-C (the writers' cleanup runs)."""
+
+
+def _terminate(owner: int) -> Callable[[int, Any], None]:
+    def handler(signum: int, frame: Any) -> None:
+        if os.getpid() != owner:  # a forked worker (the tokenizer pool) dies as it would have without us
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        raise Terminated
+
+    return handler
+
+
+def _interrupted(args: argparse.Namespace, exc: KeyboardInterrupt) -> tuple[int, str]:
+    """The exit code and the one line of an interrupted command: what it keeps, how to resume (its ``interrupted``)."""
+    how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+    describe = getattr(args, "interrupted", None)
+    said = "" if describe is None else f"; {describe(args, shlex.join(['speccache', *args.argv]))}"
+    return (143 if isinstance(exc, Terminated) else 130), f"speccache {args.command}: {how}{said}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code."""
+    """Run the command line; returns the exit code.
+
+    A command may set ``interrupted(args, command) -> str`` (``set_defaults``): what an interrupted run keeps and
+    the command that resumes it, printed as one line on Ctrl-C or SIGTERM instead of a traceback.
+    """
+    from speccache.precompute.run import resume_argv
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = resume_argv(argv)
+    except (SpeccacheError, OSError, ValueError) as exc:
+        print(f"speccache precompute: error: {exc}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = argv
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate(os.getpid())) if main_thread else None
     try:
         with quiet_libraries(getattr(args, "quiet", False)):
             code = args.func(args)
+    except KeyboardInterrupt as exc:
+        code, line = _interrupted(args, exc)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, one line for the run
+            print(line, file=sys.stderr)
     except (SpeccacheError, FileNotFoundError, FileExistsError, NotADirectoryError) as exc:
         print(f"speccache {args.command}: error: {exc}", file=sys.stderr)
         code = 1
     except ValueError as exc:
         print(f"speccache {args.command}: error: {exc}", file=sys.stderr)
         code = 2
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     # Only a command that imported the process-group module can have left a group (and the module imports torch).
     dist = sys.modules.get("speccache.write.dist")
     return code if dist is None else dist.exit_after_group(code)

@@ -444,7 +444,13 @@ def register_commands(sub: Any) -> None:
     p.add_argument("--no-verify", action="store_true", help=NO_VERIFY_HELP)
     p.add_argument("cache_dir")
     p.add_argument("out")
-    p.set_defaults(func=cmd_export)
+    p.set_defaults(
+        func=cmd_export,
+        interrupted=lambda args, command: (
+            f"{args.out} holds a partial export, which export refuses to write "
+            f"over (no --resume): delete it, then export again: {command}"
+        ),
+    )
     p = sub.add_parser(
         "import", help="write a NeMo AutoModel EAGLE-3, SpecForge or speculators cache as a speccache cache"
     )
@@ -456,4 +462,10 @@ def register_commands(sub: Any) -> None:
     p.add_argument("--shard-size", type=int, default=256, help="samples per shard (specforge/speculators)")
     p.add_argument("nemo_dir", metavar="SRC")
     p.add_argument("out")
-    p.set_defaults(func=cmd_import)
+    p.set_defaults(
+        func=cmd_import,
+        interrupted=lambda args, command: (
+            f"the shards written so far in {args.out} are kept; resume with: "
+            + (command if args.resume else f"{command} --resume")
+        ),
+    )

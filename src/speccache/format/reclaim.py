@@ -32,10 +32,13 @@ RECLAIM_VERSION = 1
 
 @dataclass(frozen=True)
 class Reclaim:
-    """One reclaim record: the shard's table row, and the directory it was moved to (``None``: deleted)."""
+    """One reclaim record: the shard's table row, the directory it was moved to (``None``: deleted), and how many
+    of its samples have no supervised token (``--nonfinite skip`` cleared them; ``None`` in a record written
+    before the count was recorded), so that a resume counts them without the file."""
 
     record: ShardRecord
     moved_to: str | None = None
+    cleared: int | None = None
 
 
 def shard_record(path: str, schema: Schema, index: int, num_samples: int | None) -> ShardRecord:
@@ -79,8 +82,10 @@ def read_reclaims(cache_dir: str) -> dict[int, Reclaim]:
             if not isinstance(body, dict) or body.get("version") != RECLAIM_VERSION:
                 raise ValueError(body)
             record = ShardRecord.from_json(body["shard"], path)
-            moved_to = body.get("moved_to")
+            moved_to, cleared = body.get("moved_to"), body.get("cleared")
             if record.index != index or not (moved_to is None or isinstance(moved_to, str)):
+                raise ValueError(body)
+            if not (cleared is None or (type(cleared) is int and 0 <= cleared <= record.samples)):
                 raise ValueError(body)
         except FileNotFoundError:
             continue  # listed, then gone: nobody removes records, but a stale NFS listing can show one
@@ -90,7 +95,7 @@ def read_reclaims(cache_dir: str) -> dict[int, Reclaim]:
                 "use). If that shard is still in the directory, delete the record; otherwise restore it from a "
                 "backup, since without it the shard reads as lost."
             ) from None
-        found[index] = Reclaim(record, moved_to)
+        found[index] = Reclaim(record, moved_to, cleared)
     return found
 
 
@@ -124,9 +129,15 @@ def reclaim_shard(
         OSError: the record or the move could not be written (the shard stays where it was, or the record
             says where it goes, and :func:`finish_reclaims` completes it).
     """
-    record = shard_record(shard_path(cache_dir, index), schema, index, num_samples)
+    path = shard_path(cache_dir, index)
+    record = shard_record(path, schema, index, num_samples)
+    shard = NativeShard(path, schema, index, num_samples)
+    try:
+        cleared = shard.unsupervised_samples()
+    finally:
+        shard.close()
     moved_to = None if move_to is None else os.path.abspath(move_to)
-    body = {"version": RECLAIM_VERSION, "shard": record.to_json(), "moved_to": moved_to}
+    body = {"version": RECLAIM_VERSION, "shard": record.to_json(), "moved_to": moved_to, "cleared": cleared}
     write_bytes_file(reclaim_path(cache_dir, index), (json.dumps(body, sort_keys=True) + "\n").encode())
     _complete(cache_dir, index, moved_to)
     return record

@@ -84,6 +84,16 @@ def sample_stats(samples: Mapping[str, torch.Tensor]) -> dict[str, list[Any]]:
     return stats
 
 
+def count_unsupervised(lengths: torch.Tensor, loss_mask: torch.Tensor) -> int:
+    """Samples with no supervised token: ``loss_mask`` rows (one per token) all false, ``lengths`` rows each."""
+    lengths = lengths.to(torch.int64)
+    if not lengths.numel():
+        return 0
+    sample_of_row = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    supervised = torch.zeros(lengths.numel(), dtype=torch.int64).index_add_(0, sample_of_row, loss_mask.to(torch.int64))
+    return int((supervised == 0).sum())
+
+
 def expected_parts(schema: Schema) -> frozenset[str]:
     """Names of every tensor a native shard of ``schema`` holds (offsets included when any key is ragged)."""
     return _expected_parts(tuple(schema.values()))
@@ -272,6 +282,14 @@ class NativeShard:
     def encoding_error(self) -> dict[str, dict[str, float]]:
         """The measured error sums of the shard's lossy keys, as its metadata records them (empty when none)."""
         return json.loads(self.file.metadata.get(SHARD_META_ERROR, "{}"))
+
+    def unsupervised_samples(self) -> int:
+        """Samples whose ``loss_mask`` is all false (0 without a ``loss_mask`` key): the ones a producer's
+        ``--nonfinite skip`` cleared, since every planned sample has a supervised token (docs/format.md §7a)."""
+        if "loss_mask" not in self.schema:
+            return 0
+        mask = self.rows("loss_mask", 0, self.num_samples)
+        return count_unsupervised(self.offsets.diff(), mask)
 
     def close(self) -> None:
         """Close the shard's file (tensors already handed out stay valid)."""

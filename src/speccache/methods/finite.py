@@ -16,7 +16,8 @@ reads a sample with no supervised position, which contributes nothing to the
 loss. Every planned sample has at least one supervised token (rows without one
 are dropped before planning), so a stored sample whose ``loss_mask`` is all
 false is exactly a skipped one: :func:`count_cleared` counts them from the
-shards themselves, which is what makes the count exact across resumes.
+shards themselves (and a reclaimed shard's record, written before the file went), which is what makes the
+count exact across resumes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import torch
 
 from speccache.errors import NonFiniteFeatureError
 from speccache.format import LENGTHS_KEY, NativeShard, Schema, shard_path
+from speccache.format.reclaim import read_reclaims
+from speccache.format.shard import count_unsupervised
 
 __all__ = [
     "NONFINITE_MODES",
@@ -137,14 +140,7 @@ def guard_nonfinite(
 
 def count_cleared(rows: Mapping[str, torch.Tensor]) -> int:
     """Samples of a shard's ragged rows (with ``__lengths__``) whose ``loss_mask`` is all false: the skipped ones."""
-    lengths = rows[LENGTHS_KEY].to(torch.int64)
-    if not lengths.numel():
-        return 0
-    sample_of_row = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    supervised = torch.zeros(lengths.numel(), dtype=torch.int64).index_add_(
-        0, sample_of_row, rows["loss_mask"].to(torch.int64)
-    )
-    return int((supervised == 0).sum())
+    return count_unsupervised(rows[LENGTHS_KEY], rows["loss_mask"])
 
 
 class ClearedCounter:
@@ -152,7 +148,8 @@ class ClearedCounter:
 
     Shards this run writes are counted as they pass through :meth:`write_shard`
     (a wrapper of the run's ``write_shard``); shards a resume keeps are counted
-    from their ``loss_mask`` on disk (:meth:`count_kept`). Summed over ranks, the
+    from their ``loss_mask`` on disk, or from the reclaim record of one a following trainer deleted or moved
+    (:meth:`count_kept`). Summed over ranks, the
     result is the cache's count whatever was interrupted and resumed.
 
     Args:
@@ -169,17 +166,37 @@ class ClearedCounter:
         return self._write_shard(output_dir, index, rows)
 
     def count_kept(self, cache_dir: str, schema: Schema, indices: Sequence[int]) -> None:
-        """Count the shards ``indices`` already on disk (checked when the resume kept them)."""
+        """Count the shards ``indices`` a resume kept: from the file (checked when the resume kept it), or, for a
+        shard a following trainer reclaimed (deleted or moved after use, maybe while this runs), from its reclaim
+        record, which is written before the file goes (a record older than the count counts 0).
+
+        Raises:
+            FileNotFoundError: a kept shard is gone with no reclaim record.
+        """
+        reclaims = read_reclaims(cache_dir)
         for index in indices:
-            shard = NativeShard(shard_path(cache_dir, index), schema, index, None)
-            try:
-                lengths = torch.tensor(shard.row_offsets).diff()
-                mask = shard.rows("loss_mask", 0, shard.num_samples)
-                self.counts[index] = count_cleared({LENGTHS_KEY: lengths, "loss_mask": mask})
-            finally:
-                shard.close()
+            counted = None if index in reclaims else _count_file(shard_path(cache_dir, index), schema, index)
+            if counted is None and index not in reclaims:
+                reclaims = read_reclaims(cache_dir)  # reclaimed since the resume kept it
+                if index not in reclaims:
+                    raise FileNotFoundError(
+                        f"{shard_path(cache_dir, index)}: a kept shard is gone, with no reclaim record"
+                    )
+            self.counts[index] = (reclaims[index].cleared or 0) if counted is None else counted
 
     @property
     def total(self) -> int:
         """Skipped samples counted so far."""
         return sum(self.counts.values())
+
+
+def _count_file(path: str, schema: Schema, index: int) -> int | None:
+    """The cleared samples of the shard file at ``path``; ``None`` when it is gone."""
+    try:
+        shard = NativeShard(path, schema, index, None)
+    except FileNotFoundError:
+        return None
+    try:
+        return shard.unsupervised_samples()
+    finally:
+        shard.close()

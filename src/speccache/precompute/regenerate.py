@@ -519,7 +519,7 @@ def add_regenerate_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
     """Run ``speccache regenerate``."""
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "func", "quiet")}
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "func", "quiet", "interrupted", "argv")}
     config = RegenerateConfig(**options, progress=not args.quiet)
     result = regenerate(config)
     if args.quiet:
@@ -535,4 +535,10 @@ def register_commands(sub: Any) -> None:
     """Add ``regenerate`` to the CLI."""
     p = sub.add_parser("regenerate", help="the target writes the assistant turns of chat data (self-distillation)")
     add_regenerate_arguments(p)
-    p.set_defaults(func=cmd_regenerate)
+    p.set_defaults(
+        func=cmd_regenerate,
+        interrupted=lambda args, command: (
+            f"the parts written so far in {args.out} are kept; resume with: "
+            + (command if args.resume else f"{command} --resume")
+        ),
+    )

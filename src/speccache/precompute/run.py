@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,8 +50,17 @@ from speccache.devices import target_device
 from speccache.engines.base import add_gpu_memory_utilization_argument, check_gpu_memory_utilization
 from speccache.engines.registry import engine_class
 from speccache.errors import DataError, SpeccacheError
-from speccache.format import LENGTHS_KEY, Manifest, Schema, load_manifest_json, manifest_path, shard_samples
+from speccache.format import (
+    LENGTHS_KEY,
+    Manifest,
+    Schema,
+    existing_shard_indices,
+    load_manifest_json,
+    manifest_path,
+    shard_samples,
+)
 from speccache.format.encoding import parse_encodings
+from speccache.format.reclaim import read_reclaims
 from speccache.methods.base import DTYPES, Method, MethodPlan, PrePass, dtype_name, model_config_hash, text_config
 from speccache.methods.finite import SKIP_REASON, ClearedCounter, check_nonfinite_mode
 from speccache.methods.registry import METHODS, method_for
@@ -233,6 +243,8 @@ class PrecomputeConfig:
     threads: int | None = None
     max_cache_bytes: int | None = None
     max_cache_shards: int | None = None
+    argv: list[str] | None = None
+    """The command line (``speccache`` left out), recorded in the manifest's ``producer``."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PrecomputeConfig:
@@ -290,6 +302,7 @@ class PrecomputeConfig:
             if getattr(args, "max_cache_bytes", None) is None
             else parse_bytes(args.max_cache_bytes, "--max-cache-bytes"),
             max_cache_shards=getattr(args, "max_cache_shards", None),
+            argv=getattr(args, "argv", None),
         )
         cfg.check()
         return cfg
@@ -629,6 +642,7 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
             cap=DiskCap(cfg.out, cfg.max_cache_bytes, cfg.max_cache_shards)
             if cfg.max_cache_bytes or cfg.max_cache_shards
             else None,
+            command=cfg.argv,
         )
     groups.from_writer(None if writer is None else writer.preflight)
     method, method_plan = plan.method, plan.method_plan
@@ -695,6 +709,14 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
             groups.from_writer(begin)  # the group's other ranks compute the same shards
             assert run is not None
             todo_samples = sum(shard_samples(i, writer.manifest.num_samples, cfg.shard_size) for i in run.shards)
+            if cfg.resume:
+                line = resume_line(
+                    cfg.out,
+                    writer.manifest,
+                    *writer.comm.sum_tensor(torch.tensor([len(run.shards), todo_samples])).tolist(),
+                )
+                if progress and comm.rank == 0:
+                    print(line, flush=True)
             bar = _Progress(todo_samples, progress and comm.rank == 0, writer.shard_writer.records)
 
             def on_batch(out: dict[str, torch.Tensor]) -> None:
@@ -757,6 +779,18 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
                 f"at most {human_bytes(writer.cap.high_water)} of unconsumed shards seen on disk"
             )
     return manifest
+
+
+def resume_line(out: str, manifest: Manifest, todo_shards: int, todo_samples: int) -> str:
+    """What a resume keeps and computes, e.g. ``resuming c: kept 3 of 4 shards (48 samples), computing 1 shard
+    (16 samples)``."""
+    kept = manifest.num_shards - todo_shards
+    shards = "shard" if todo_shards == 1 else "shards"
+    computing = f"computing {todo_shards} {shards} ({todo_samples} samples)" if todo_shards else "nothing to compute"
+    return (
+        f"speccache: resuming {out}: kept {kept} of {manifest.num_shards} shards "
+        f"({manifest.num_samples - todo_samples} samples), {computing}"
+    )
 
 
 def computed_tokens(lengths: Sequence[int], cfg: PrecomputeConfig) -> int:
@@ -854,6 +888,74 @@ class _Progress:
 # CLI
 
 
+def _flag(argv: Sequence[str], name: str) -> str | None:
+    """The value of ``name`` in ``argv`` (``--name V`` or ``--name=V``; the last one, as argparse takes it)."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif arg.startswith(name + "="):
+            found = arg[len(name) + 1 :]
+    return found
+
+
+def resume_argv(argv: list[str]) -> list[str]:
+    """``precompute --out DIR --resume`` without ``--model`` or ``--data``: the command recorded in DIR's manifest
+    (``producer.argv``) followed by the flags given, which override the recorded ones (a resume still refuses
+    settings that differ from the cache's). Any other command line is returned unchanged.
+
+    Raises:
+        ValueError: the manifest records no command, or one run from another directory (its relative paths).
+        CacheFormatError: DIR's manifest cannot be read.
+    """
+    out = _flag(argv, "--out")
+    if argv[:1] != ["precompute"] or "--resume" not in argv or out is None:
+        return argv
+    if _flag(argv, "--model") is not None and _flag(argv, "--data") is not None:
+        return argv
+    if not os.path.lexists(manifest_path(out)):
+        raise ValueError(
+            f"--resume without --model and --data runs the command recorded in {manifest_path(out)}, which does not "
+            "exist (nothing of a cache was written there); give the whole command"
+        )
+    producer = load_manifest_json(manifest_path(out)).get("producer") or {}
+    recorded, cwd = producer.get("argv"), producer.get("cwd")
+    if not (
+        isinstance(recorded, list) and recorded[:1] == ["precompute"] and all(isinstance(a, str) for a in recorded)
+    ):
+        raise ValueError(
+            f"--resume without --model and --data: {manifest_path(out)} records no command line (written by "
+            f"speccache {producer.get('version')}); give the original command's flags with --resume"
+        )
+    if cwd != os.getcwd():
+        raise ValueError(
+            f"--resume without --model and --data: the command recorded in {manifest_path(out)} ran in {cwd}, and "
+            f"its paths may be relative to it; resume from there: cd {shlex.quote(str(cwd))} && "
+            f"{shlex.join(['speccache', *recorded, '--resume'])}"
+        )
+    return [*recorded, *argv[1:]]
+
+
+def describe_interrupted(args: argparse.Namespace, command: str) -> str:
+    """What an interrupted ``precompute`` keeps in ``--out`` and the command that resumes it."""
+    out = args.out
+    try:
+        producer = load_manifest_json(manifest_path(out)).get("producer") or {}
+    except (OSError, SpeccacheError):
+        producer = {}
+    recorded = isinstance(producer.get("argv"), list) and producer.get("cwd") == os.getcwd()  # resume_argv's needs
+    shards = len(existing_shard_indices(out)) + len(read_reclaims(out)) if os.path.isdir(out) else 0
+    if args.append:
+        return f"the sealed samples of {out} are kept; finish the append with the same command: {command}"
+    if not producer and not shards:
+        return f"nothing was written to {out}; start again: {command}"
+    if recorded:
+        again = f"speccache precompute --out {shlex.quote(out)} --resume"
+    else:
+        again = command if "--resume" in args.argv else f"{command} --resume"
+    return f"{shards} whole shards are kept in {out}; resume with: {again}"
+
+
 def cmd_precompute(args: argparse.Namespace) -> int:
     """Run ``speccache precompute``."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -940,4 +1042,4 @@ def register_commands(sub: Any) -> None:
         help="as --max-cache-bytes, in shards: at most this many unreclaimed shards on disk (per run, all ranks)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
-    p.set_defaults(func=cmd_precompute)
+    p.set_defaults(func=cmd_precompute, interrupted=describe_interrupted)

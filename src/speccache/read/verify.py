@@ -218,6 +218,7 @@ def inspect_cache(cache_dir: str) -> dict[str, Any]:
         "side_file_bytes": {name: record.bytes for name, record in manifest.side_files.items()},
         "bytes_per_token": per_token(total),
         "config": manifest.config,
+        "producer": manifest.producer,
         "stats": manifest.stats or None,
         "reclaimed": sorted(set(read_reclaims(cache_dir)) - set(indices)),
     }

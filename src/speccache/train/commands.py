@@ -180,7 +180,12 @@ def register_commands(sub: Any) -> None:
     p.add_argument(
         "--follow-timeout", type=float, default=600.0, help="--follow: seconds to wait for a shard (default 600)"
     )
-    p.set_defaults(func=cmd_train)
+    p.set_defaults(
+        func=cmd_train,
+        interrupted=lambda args, command: (
+            f"nothing was saved to {args.out} (the draft is written when training ends); train again with: {command}"
+        ),
+    )
     p = sub.add_parser("evaluate", help="measure a draft's acceptance: teacher-forced on a cache, and real decoding")
     p.add_argument("draft", help="a draft directory written by speccache train")
     p.add_argument("--cache", required=True, help="a held-out EAGLE-3 cache of the same target")
@@ -198,4 +203,6 @@ def register_commands(sub: Any) -> None:
         "--json", default=None, help="also write the report to this JSON file, and its chart beside it (.png)"
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar while decoding")
-    p.set_defaults(func=cmd_evaluate)
+    p.set_defaults(
+        func=cmd_evaluate, interrupted=lambda args, command: f"no report was written; evaluate again with: {command}"
+    )

@@ -28,7 +28,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +122,9 @@ class CacheWriter:
             from the cache's; every other field must match. Shards that still fit are kept, the rest computed.
         cap: pause before each shard while the cache's unconsumed shards reach this cap (a trainer following the
             cache with ``reclaim`` frees them); a run setting, not part of the cache's configuration.
+        command: the command line that runs this producer (``speccache`` left out), recorded with the working
+            directory in the manifest's ``producer`` (informational; a resume does not compare it, and keeps the
+            command that started the cache).
 
     Raises:
         CacheExistsError, ConfigMismatchError, CacheLockedError, OutputError: from :meth:`preflight` and
@@ -141,6 +144,7 @@ class CacheWriter:
         comm: Comm | None = None,
         append_fields: frozenset[str] | None = None,
         cap: DiskCap | None = None,
+        command: Sequence[str] | None = None,
     ) -> None:
         self.cache_dir = cache_dir
         self.comm = comm or LocalComm()
@@ -154,6 +158,9 @@ class CacheWriter:
             config=config,
             path=manifest_path(cache_dir),
         )
+        if command is not None:
+            self.manifest.producer.update(argv=list(command), cwd=os.getcwd())
+        self._producer = self.manifest.producer
         self.shard_writer = NativeShardWriter(schema, before_write=None if cap is None else cap.wait)
         self.cap = cap
         self._lock = CacheLock(cache_dir)
@@ -215,6 +222,9 @@ class CacheWriter:
             self._lock.acquire()
             try:
                 found = self._check_directory()
+                if found is not None and "argv" in found.producer:  # the command that started the cache stays
+                    self._producer = {**self._producer, **{k: found.producer.get(k) for k in ("argv", "cwd")}}
+                    self.manifest.producer = self._producer
                 removed = remove_temp_files(self.cache_dir)
                 finish_reclaims(self.cache_dir, read_reclaims(self.cache_dir))  # a reclaimer killed half-way
                 if removed:
@@ -228,8 +238,9 @@ class CacheWriter:
                     with writes_to(self.cache_dir):
                         for side in side_files:
                             self._write_side_file(side)
-                else:
+                else:  # a sealed cache with nothing to rewrite stays byte for byte as it is, producer included
                     self.manifest.side_files = dict(self._sealed_on_disk.side_files)
+                    self.manifest.producer = self._sealed_on_disk.producer
             except BaseException:
                 self._lock.release()
                 raise
@@ -260,6 +271,7 @@ class CacheWriter:
         sealed, self._sealed_on_disk = self._sealed_on_disk, None
         if sealed is not None:  # rewriting shards of a sealed cache: its side files are the ones listed
             self.manifest.side_files = dict(sealed.side_files)
+            self.manifest.producer = self._producer
         with writes_to(self.cache_dir):
             self.manifest.write(self.cache_dir)
         if sealed is not None and self.append_fields is not None:
