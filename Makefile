@@ -85,6 +85,7 @@ bench: install
 	$(PY) benchmarks/shard_memory.py --model-dir bench-out/shard-memory-model --tiny-dir bench-out/shard-memory-tiny --out docs/benchmarks.md
 	OMP_NUM_THREADS=1 $(PY) benchmarks/streaming.py --out docs/benchmarks.md
 	OMP_NUM_THREADS=1 $(PY) benchmarks/long_samples.py --out docs/benchmarks.md
+	OMP_NUM_THREADS=1 $(PY) benchmarks/verify.py --scale 1.0 --rounds 9 --out docs/benchmarks.md
 
 # The acceptance run of issue 21 (benchmarks/acceptance.py): regenerate answers to the bundled prompts with
 # SmolLM2-135M-Instruct, precompute, train a draft per size and evaluate it against prompt lookup and the n-gram
