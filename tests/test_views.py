@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -15,7 +16,7 @@ import torch
 
 from cachecmp import all_samples, same_samples
 from speccache.cli import main
-from speccache.errors import CacheCorruptError, CacheFormatError
+from speccache.errors import CacheCorruptError, CacheExistsError, CacheFormatError
 from speccache.format import LENGTHS_KEY, STAT_PREFIX, KeySpec, shard_path
 from speccache.format.view import VIEW_NAME, is_view
 from speccache.read import CacheDataset, PackCollator, PadCollator
@@ -187,6 +188,23 @@ def test_a_view_writer_killed_mid_write_leaves_no_view_and_the_rerun_writes_it(t
     assert len(ViewDataset(out)) == (17 if command == "merge" else 10)
     assert main(argv) == 1  # a written view is never overwritten
     assert len(CacheDataset(str(tmp / "a"))) == 10
+
+
+@pytest.mark.parametrize("into", ["a", "view", "foreign"])
+def test_the_view_writers_refuse_a_directory_holding_a_cache_a_view_or_other_files(two, into):
+    """The refusal lives in the API the CLI calls: a view written into one of its own sources would turn that cache
+    into a view of itself (its readers recursed until RecursionError)."""
+    tmp, a, _ = two
+    assert main(["subset", str(tmp / "b"), "--where", "tokens >= 1", "--out", str(tmp / "view")]) == 0
+    (tmp / "foreign").mkdir()
+    (tmp / "foreign" / "notes.txt").write_text("mine")
+    before = {p: p.read_bytes() for p in (tmp / into).iterdir()}
+    with pytest.raises(CacheExistsError, match=re.escape(str(tmp / into))):
+        make_merge_view([str(tmp / "a"), str(tmp / "b")], str(tmp / into))
+    with pytest.raises(CacheExistsError, match=re.escape(str(tmp / into))):
+        make_subset_view(str(tmp / "a"), str(tmp / into), "tokens >= 1")
+    assert {p: p.read_bytes() for p in (tmp / into).iterdir()} == before  # nothing written, nothing removed
+    assert same_samples([dict(s) for s in CacheDataset(str(tmp / "a"))], a)
 
 
 def test_locality_sampler_honours_weights():

@@ -218,24 +218,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _new_view_dir(out: str) -> None:
-    # A killed view writer leaves at most a temporary file, which is removed; anything else is refused.
-    import os
-
-    from speccache.errors import CacheExistsError
-    from speccache.format import MANIFEST_NAME, existing_shard_indices, remove_temp_files
-    from speccache.format.names import check_no_foreign_files
-    from speccache.format.view import VIEW_NAME
-
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise CacheExistsError(f"--out {out} is a file; choose a new directory for the view")
-    if os.path.isdir(out):
-        if any(os.path.exists(os.path.join(out, n)) for n in (VIEW_NAME, MANIFEST_NAME)) or existing_shard_indices(out):
-            raise CacheExistsError(f"--out {out} already holds a view or a cache; choose a new directory for the view")
-        check_no_foreign_files(out)
-        remove_temp_files(out)
-
-
 def cmd_merge(args: argparse.Namespace) -> int:
     """Run ``speccache merge``."""
     from speccache.read.view import make_merge_view
@@ -244,7 +226,6 @@ def cmd_merge(args: argparse.Namespace) -> int:
         weights = [float(w) for w in args.weights.split(",")] if args.weights else None
     except ValueError:
         raise ValueError(f"--weights {args.weights!r} must be comma-separated numbers, e.g. 2,1") from None
-    _new_view_dir(args.out)
     view = make_merge_view(args.caches, args.out, weights)
     print(f"{args.out}: view of {view.num_samples} samples from {len(view.sources)} caches")
     return 0
@@ -254,7 +235,6 @@ def cmd_subset(args: argparse.Namespace) -> int:
     """Run ``speccache subset``."""
     from speccache.read.view import make_subset_view
 
-    _new_view_dir(args.out)
     view = make_subset_view(args.cache_dir, args.out, args.where)
     print(f"{args.out}: view of {view.num_samples} samples of {args.cache_dir}")
     return 0

@@ -22,19 +22,51 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from speccache.errors import CacheCorruptError, CacheFormatError
-from speccache.format.durable import atomic_write, file_checksum, writes_to
+from speccache.errors import CacheCorruptError, CacheExistsError, CacheFormatError
+from speccache.format.durable import atomic_write, file_checksum, remove_temp_files, writes_to
 from speccache.format.manifest import Manifest
-from speccache.format.names import MANIFEST_NAME, manifest_path, shard_path
+from speccache.format.names import (
+    MANIFEST_NAME,
+    check_no_foreign_files,
+    existing_shard_indices,
+    manifest_path,
+    shard_path,
+)
 from speccache.format.schema import Schema, schema_from_json, schema_to_json
 
-__all__ = ["MAX_EPOCH_SAMPLES", "VIEW_NAME", "VIEW_VERSION", "SourceRecord", "View", "is_view", "source_record"]
+__all__ = [
+    "MAX_EPOCH_SAMPLES",
+    "VIEW_NAME",
+    "VIEW_VERSION",
+    "SourceRecord",
+    "View",
+    "is_view",
+    "new_view_dir",
+    "source_record",
+]
 
 VIEW_NAME = "view.json"
 VIEW_VERSION = 1
 MAX_EPOCH_SAMPLES = 1 << 28
 """Bound on the samples one epoch of a view expands to under its weights: a sampler holds an index per position
 (2 GiB of them here), and ``--weights 1e9,1`` would otherwise fail only when a trainer builds its loader."""
+
+
+def new_view_dir(out: str) -> None:
+    """Make sure a new view can be written at ``out``: a new or empty directory, or one a killed view writer left
+    (its temporary file is removed). Every view writer calls this first, so no view lands inside a cache.
+
+    Raises:
+        CacheExistsError: ``out`` is a file, holds a view or a cache, or holds files of its own (nothing there is
+            touched).
+    """
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CacheExistsError(f"--out {out} is a file; choose a new directory for the view")
+    if os.path.isdir(out):
+        if any(os.path.exists(os.path.join(out, n)) for n in (VIEW_NAME, MANIFEST_NAME)) or existing_shard_indices(out):
+            raise CacheExistsError(f"--out {out} already holds a view or a cache; choose a new directory for the view")
+        check_no_foreign_files(out)
+        remove_temp_files(out)
 
 
 def is_view(path: str) -> bool:

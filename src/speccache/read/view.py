@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 from speccache.errors import CacheFormatError, CacheIncompleteError
 from speccache.format import Manifest, file_checksum, shard_path
 from speccache.format.manifest import CONFIG_DEFAULTS
-from speccache.format.view import View, source_record
+from speccache.format.view import View, new_view_dir, source_record
 from speccache.read.dataset import CacheDataset, Sample
 from speccache.read.stats import cache_sample_stats
 
@@ -92,7 +92,9 @@ def make_merge_view(caches: Sequence[str], out: str, weights: Sequence[float] | 
             (every difference is listed), or ``weights`` do not fit (one finite weight > 0 per cache, an epoch of
             at most ``MAX_EPOCH_SAMPLES``).
         CacheIncompleteError: a cache is not sealed.
+        CacheExistsError: ``out`` is a file or holds a view, a cache or other files.
     """
+    new_view_dir(out)
     if weights is not None and len(weights) != len(caches):
         raise CacheFormatError(f"--weights {list(weights)} must give one weight per cache ({len(caches)})")
     manifests = [_sealed(c) for c in caches]
@@ -143,7 +145,9 @@ def make_subset_view(cache: str, out: str, where: str) -> View:
     Raises:
         ValueError: a malformed ``where``, or one naming a statistic the cache does not record.
         CacheIncompleteError: the cache is not sealed.
+        CacheExistsError: ``out`` is a file or holds a view, a cache or other files.
     """
+    new_view_dir(out)
     clauses = parse_where(where)
     manifest = _sealed(cache)
     stats = cache_sample_stats(cache)
