@@ -407,8 +407,13 @@ def _ctrl_c_as_the_pool_starts(monkeypatch) -> None:
 def test_ctrl_c_while_the_worker_pool_starts_closes_its_workers(tmp_path, tok, monkeypatch):
     # Interrupted inside Pool(), the run used to lose the pool: its forked workers waited on the task queue forever.
     _ctrl_c_as_the_pool_starts(monkeypatch)
-    with pytest.raises(KeyboardInterrupt):
-        load_samples(_mixed_file(tmp_path), tok, 40, skip_bad_rows=True, num_proc=2)
+    # Ctrl-C as at a terminal, even where the tests run with SIGINT ignored (a background job of a shell)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            load_samples(_mixed_file(tmp_path), tok, 40, skip_bad_rows=True, num_proc=2)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert multiprocessing.active_children() == []
 
 

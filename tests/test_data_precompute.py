@@ -194,7 +194,12 @@ def test_torchrun_ranks_split_the_tokenization_and_write_the_one_process_cache(m
     )
     files = {p.name: p.read_bytes() for p in sorted(single.iterdir()) if not p.name.startswith(".")}
     assert "skipped_rows.jsonl" in files
-    assert {p.name: p.read_bytes() for p in sorted(multi.iterdir()) if not p.name.startswith(".")} == files
+    written = {p.name: p.read_bytes() for p in sorted(multi.iterdir()) if not p.name.startswith(".")}
+    manifests = [json.loads(f.pop("manifest.json")) for f in (files, written)]
+    assert written == files
+    # the manifests differ only in the command each run records (its own --out, torchrun's --timeout)
+    assert [m.pop("producer")["argv"][-1] for m in manifests] == [str(single), "120"]
+    assert manifests[0] == manifests[1]
 
 
 # ---------------------------------------------------------------------------

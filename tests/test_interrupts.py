@@ -8,6 +8,7 @@ recorded settings, byte for byte the uninterrupted run's.
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import signal
@@ -52,8 +53,10 @@ def _interrupt(argv: list[str], signum: int, ready) -> subprocess.CompletedProce
     """Run ``speccache ARGV`` (its shard writer slowed), send ``signum`` once ``ready()``; its result."""
     src = os.path.dirname(os.path.dirname(speccache.__file__))  # this tree's package, whatever the cwd
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": src}
+    # A shell starts background jobs with SIGINT ignored, and the command would inherit that: restore the default.
+    restore = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
     proc = subprocess.Popen([sys.executable, "-c", SLOW_CLI, *argv], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stderr=subprocess.PIPE, text=True, preexec_fn=restore)  # fmt: skip
     deadline = time.monotonic() + 120
     while not ready() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
