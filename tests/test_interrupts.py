@@ -95,6 +95,8 @@ def test_ctrl_c_of_precompute_says_how_to_resume_and_resume_alone_finishes_it(ru
     said = capsys.readouterr().out
     computing = f"computing {4 - kept} shard{'s' if kept < 3 else ''} ({16 * (4 - kept)} samples)"
     assert f"speccache: resuming c: kept {kept} of 4 shards ({16 * kept} samples), {computing}" in said
+    assert main([*argv, "--out", "fresh", "--resume"]) == 0  # --resume on a new directory keeps nothing
+    assert "resuming" not in capsys.readouterr().out
     assert _files("c") == _files(whole)
     assert _without_producer("c") == _without_producer(whole)
     assert main(["inspect", "c"]) == 0

@@ -59,6 +59,7 @@ from speccache.format import durable
 from speccache.format.durable import ensure_writable_dir, file_checksum, remove_temp_files, writes_to
 from speccache.format.lock import CacheLock
 from speccache.methods.base import TORCH_DTYPE_NAMES, dtype_name
+from speccache.units import counted
 
 __all__ = ["RegenerateConfig", "RegenerateResult", "regenerate", "register_commands"]
 
@@ -525,8 +526,9 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     if args.quiet:
         return 0
     print(
-        f"{result.out}: {result.rows} rows, {result.turns} answers, {result.generated_tokens} generated tokens, "
-        f"{result.truncated_rows} rows cut at --max-new-tokens, in {result.parts} parts"
+        f"{result.out}: {counted(result.rows, 'row')}, {counted(result.turns, 'answer')}, "
+        f"{counted(result.generated_tokens, 'generated token')}, {counted(result.truncated_rows, 'row')} cut at "
+        f"--max-new-tokens, in {counted(result.parts, 'part')}"
     )
     return 0
 

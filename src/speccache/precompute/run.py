@@ -710,13 +710,10 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
             assert run is not None
             todo_samples = sum(shard_samples(i, writer.manifest.num_samples, cfg.shard_size) for i in run.shards)
             if cfg.resume:
-                line = resume_line(
-                    cfg.out,
-                    writer.manifest,
-                    *writer.comm.sum_tensor(torch.tensor([len(run.shards), todo_samples])).tolist(),
-                )
-                if progress and comm.rank == 0:
-                    print(line, flush=True)
+                todo = writer.comm.sum_tensor(torch.tensor([len(run.shards), todo_samples])).tolist()
+                # --resume on a new directory (as the demo runs every step) keeps nothing: nothing to report
+                if progress and comm.rank == 0 and todo[0] < writer.manifest.num_shards:
+                    print(resume_line(cfg.out, writer.manifest, *todo), flush=True)
             bar = _Progress(todo_samples, progress and comm.rank == 0, writer.shard_writer.records)
 
             def on_batch(out: dict[str, torch.Tensor]) -> None:
