@@ -603,7 +603,7 @@ TRIGGERS: dict[str, T] = {
     "not a readable regenerate record": lambda e: read_progress(str(_touch(e.tmp / REGENERATE_NAME, b"{").parent)),
     "not a speccache regenerate record": lambda e: read_progress(str(_touch(e.tmp / REGENERATE_NAME, b"{}").parent)),
     "an unfinished speccache regenerate run": lambda e: _load(_touch(e.tmp / REGENERATE_NAME, json.dumps({"format": REGENERATE_FORMAT, "parts": [], "complete": False}).encode()).parent),
-    "is the hf engine's: vLLM runs the target on its own platform": lambda e: RegenerateConfig("m", "d", str(e.tmp), engine="vllm", device="cpu").validate(),
+    "is the hf engine's: vLLM runs the target on its own platform": lambda e: RegenerateConfig("m", "d", str(e.tmp), engine="vllm", device="cpu").check(),
     "a part of the regenerate record, cannot be read": lambda e: _load(_touch(e.tmp / REGENERATE_NAME, json.dumps({"format": REGENERATE_FORMAT, "parts": [{"name": "part-00000.jsonl"}], "complete": True}).encode()).parent),
     # verify findings
     "missing shard": lambda e: (os.unlink(shard_path(p := e.cache(), 1)), verify_cache(p))[1],

@@ -17,7 +17,7 @@ import xxhash
 from torch import nn
 
 from speccache.data import TokenizedSamples
-from speccache.errors import CacheFormatError
+from speccache.errors import CacheFormatError, UsageError
 from speccache.format import Schema, ShardFile
 from speccache.methods.decoder import Capture
 from speccache.write import Comm
@@ -58,7 +58,7 @@ def dtype_name(name: str, flag: str, choices: Sequence[str] = tuple(DTYPES)) -> 
     """
     short = TORCH_DTYPE_NAMES.get(name, name)
     if short not in choices:
-        raise ValueError(
+        raise UsageError(
             f"{flag} {name!r} is unknown; choose one of {', '.join(choices)} (torch's names, as bfloat16, too)"
         )
     return short

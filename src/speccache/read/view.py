@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from speccache.errors import CacheFormatError, CacheIncompleteError
+from speccache.errors import CacheFormatError, CacheIncompleteError, UsageError
 from speccache.format import Manifest, file_checksum, shard_path
 from speccache.format.manifest import CONFIG_DEFAULTS
 from speccache.format.view import View, new_view_dir, source_record
@@ -59,7 +59,7 @@ def parse_where(expr: str) -> list[tuple[str, str, float]]:
     for text in re.split(r"\s+and\s+", expr.strip()):
         m = _CLAUSE.match(text)
         if not m:
-            raise ValueError(
+            raise UsageError(
                 f"--where clause {text!r} must look like NAME OP NUMBER (OP one of >= > <= < == !=), "
                 "clauses joined by 'and', e.g. 'supervised_tokens >= 16 and mean_entropy < 2.5'"
             )
@@ -153,7 +153,7 @@ def make_subset_view(cache: str, out: str, where: str) -> View:
     stats = cache_sample_stats(cache)
     unknown = sorted({name for name, _, _ in clauses} - set(stats))
     if unknown:
-        raise ValueError(
+        raise UsageError(
             f"--where names {unknown}, which {cache} does not record per sample; it records {sorted(stats)}"
         )
     chosen = [
