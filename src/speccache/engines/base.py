@@ -66,7 +66,7 @@ class Engine(Protocol):
 
     @classmethod
     def check_flags(cls, cfg: Any) -> None:
-        """Refuse the flags this engine does not take, before anything is read (``ValueError``)."""
+        """Refuse the flags this engine does not take, before anything is read (``UsageError``: the CLI exits 2)."""
 
     @classmethod
     def check_model(cls, cfg: Any, model_config: Any, world_size: int) -> None:

@@ -225,7 +225,7 @@ class Method(Protocol):
     presets: Mapping[str, str]
 
     def check_flags(self, cfg: Any) -> None:
-        """Refuse, before anything is read, the flags this method does not take (``ValueError``)."""
+        """Refuse, before anything is read, the flags this method does not take (``UsageError``: the CLI exits 2)."""
 
     def plan(self, cfg: Any, model_config: Any, dtype: torch.dtype) -> MethodPlan:
         """Decide the schema (float features stored as ``dtype``), the manifest fields and the capture request
