@@ -159,3 +159,19 @@ def test_a_view_weight_that_is_no_number_is_bad_usage(cache, tmp_path, capsys):
     assert main(["merge", cache, cache, "--out", str(tmp_path / "v"), "--weights", "2,x"]) == 2
     assert "--weights '2,x' must be comma-separated numbers" in capsys.readouterr().err
     assert not (tmp_path / "v").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "CACHE", "--out", "OUT", "--follow", "--replay", "0"], "replay must be an integer >= 1"),
+        (["train", "CACHE", "--out", "OUT", "--follow", "--follow-timeout", "0"], "timeout and poll must be positive"),
+        (["merge", "CACHE", "CACHE", "--out", "OUT", "--weights", "1"], "must give one weight per cache (2)"),
+    ],
+)
+def test_flags_the_api_refuses_are_bad_usage(cache, tmp_path, capsys, argv, message):
+    """Flags passed through to an API object (Follow, make_merge_view) without a check of their own."""
+    out = tmp_path / "out"
+    assert main([{"CACHE": cache, "OUT": str(out)}.get(a, a) for a in argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()

@@ -89,14 +89,15 @@ def make_merge_view(caches: Sequence[str], out: str, weights: Sequence[float] | 
 
     Raises:
         CacheFormatError: the caches differ in kind, schema, shard size or configuration other than their data
-            (every difference is listed), or ``weights`` do not fit (one finite weight > 0 per cache, an epoch of
-            at most ``MAX_EPOCH_SAMPLES``).
+            (every difference is listed), or ``weights`` are not finite and > 0 or expand an epoch past
+            ``MAX_EPOCH_SAMPLES``.
+        UsageError: ``weights`` do not give one weight per cache.
         CacheIncompleteError: a cache is not sealed.
         CacheExistsError: ``out`` is a file or holds a view, a cache or other files.
     """
     new_view_dir(out)
     if weights is not None and len(weights) != len(caches):
-        raise CacheFormatError(f"--weights {list(weights)} must give one weight per cache ({len(caches)})")
+        raise UsageError(f"--weights {list(weights)} must give one weight per cache ({len(caches)})")
     manifests = [_sealed(c) for c in caches]
     first = manifests[0]
     for cache, m in zip(caches[1:], manifests[1:]):
