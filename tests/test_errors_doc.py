@@ -39,8 +39,10 @@ from speccache.engines.vllm import rank_environment
 from speccache.format import MANIFEST_NAME, KeySpec, Manifest, ShardFile, shard_path, write_safetensors
 from speccache.format.encoding import get_encoding
 from speccache.format.lock import LOCK_NAME
+from speccache.format.names import check_shard_size
 from speccache.format.shard import verify_tensor_checksums
 from speccache.format.view import View, source_record
+from speccache.methods.base import dtype_name
 from speccache.methods.eagle3 import read_side_file
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
 from speccache.methods.layers import LayerSelection, preset_selection
@@ -56,11 +58,14 @@ from speccache.precompute.audit import audit_cache
 from speccache.precompute.regenerate import RegenerateConfig, regenerate
 from speccache.precompute.run import check_out_outside_data
 from speccache.read import CacheDataset
+from speccache.read.follow import Follow
+from speccache.read.ranges import sequence_parallel_rows
 from speccache.read.sampler import LocalityShuffleSampler
 from speccache.read.source import open_source
 from speccache.read.verify import VerifyReport, inspect_cache, verify_cache
 from speccache.read.view import make_merge_view, parse_where
 from speccache.testing.synthetic import write_synthetic_cache
+from speccache.units import parse_bytes
 from speccache.write import LocalComm, NativeShardWriter, OverlappedShardWriter, data_parallel_groups
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -474,6 +479,17 @@ TRIGGERS: dict[str, T] = {
     # views
     "must look like NAME OP NUMBER": lambda e: parse_where("a => 1"),
     "must give one weight per cache": lambda e: make_merge_view([e.cache()], str(e.tmp / "v"), [1, 2]),
+    "is not a size; give bytes": lambda e: parse_bytes("12Q", "--max-cache-bytes"),
+    "must be at least one byte": lambda e: parse_bytes("0.1", "--max-cache-bytes"),
+    "torch's names, as bfloat16, too": lambda e: dtype_name("int8", "--dtype"),
+    "must be sorted or ordered": lambda e: _engine_flags(batching="shuffled"),
+    "with --batching sorted (the default)": lambda e: _engine_flags(batching="ordered", max_batch_tokens=64),
+    "shard_size must be an integer >= 1": lambda e: check_shard_size(0),
+    "replay must be an integer >= 1": lambda e: Follow(replay=0),
+    "timeout and poll must be positive seconds": lambda e: Follow(timeout=0),
+    "reclaim_to moves reclaimed shards: it needs reclaim=True": lambda e: Follow(reclaim_to=str(e.tmp)),
+    "pass both rank and world_size, or neither": lambda e: Follow(rank=0),
+    "is outside [0, world_size=": lambda e: sequence_parallel_rows(4, 2, 2),
     "(--weights of speccache merge) must be finite and > 0": lambda e: make_merge_view([e.cache()], str(e.tmp / "v"), [float("inf")]),
     "one finite weight >= 0 per sample": lambda e: LocalityShuffleSampler(2, 1, weights=[1.0]),
     "not a readable view": lambda e: View.read(str(e.tmp)),
@@ -603,7 +619,7 @@ TRIGGERS: dict[str, T] = {
     "not a readable regenerate record": lambda e: read_progress(str(_touch(e.tmp / REGENERATE_NAME, b"{").parent)),
     "not a speccache regenerate record": lambda e: read_progress(str(_touch(e.tmp / REGENERATE_NAME, b"{}").parent)),
     "an unfinished speccache regenerate run": lambda e: _load(_touch(e.tmp / REGENERATE_NAME, json.dumps({"format": REGENERATE_FORMAT, "parts": [], "complete": False}).encode()).parent),
-    "is the hf engine's: vLLM runs the target on its own platform": lambda e: RegenerateConfig("m", "d", str(e.tmp), engine="vllm", device="cpu").validate(),
+    "is the hf engine's: vLLM runs the target on its own platform": lambda e: RegenerateConfig("m", "d", str(e.tmp), engine="vllm", device="cpu").check(),
     "a part of the regenerate record, cannot be read": lambda e: _load(_touch(e.tmp / REGENERATE_NAME, json.dumps({"format": REGENERATE_FORMAT, "parts": [{"name": "part-00000.jsonl"}], "complete": True}).encode()).parent),
     # verify findings
     "missing shard": lambda e: (os.unlink(shard_path(p := e.cache(), 1)), verify_cache(p))[1],

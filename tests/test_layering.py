@@ -19,7 +19,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # room -> rank; a module may import rooms of a lower rank, and its own room.
 RANKS = {
     "speccache._version": 0,
-    "speccache.errors": 0,
+    "speccache.errors": -1,  # below every room: each raises its errors, units and devices included
     "speccache.units": 0,
     "speccache.devices": 0,
     "speccache.format": 1,

@@ -17,6 +17,7 @@ from speccache.cli import main
 from speccache.data import SOURCE_ROW_KEY, source_row_spec
 from speccache.demo import demo_data_path
 from speccache.engines import registry as engines
+from speccache.errors import UsageError
 from speccache.format import LENGTHS_KEY, KeySpec, Manifest
 from speccache.methods import registry as methods
 from speccache.methods.base import CaptureRequest, LoadedTarget, MethodPlan, PrePass, text_config
@@ -55,7 +56,7 @@ class FinalNormMethod:
 
     def check_flags(self, cfg: Any) -> None:
         if cfg.aux_layers is not None:
-            raise ValueError("--aux-layers is not for --method final-norm")
+            raise UsageError("--aux-layers is not for --method final-norm")
 
     def plan(self, cfg: Any, model_config: Any, dtype: torch.dtype) -> MethodPlan:
         text = text_config(model_config)

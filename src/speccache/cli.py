@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from speccache.errors import SpeccacheError
+from speccache.errors import SpeccacheError, UsageError
 from speccache.units import counted, human_bytes
 
 
@@ -225,7 +225,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     try:
         weights = [float(w) for w in args.weights.split(",")] if args.weights else None
     except ValueError:
-        raise ValueError(f"--weights {args.weights!r} must be comma-separated numbers, e.g. 2,1") from None
+        raise UsageError(f"--weights {args.weights!r} must be comma-separated numbers, e.g. 2,1") from None
     view = make_merge_view(args.caches, args.out, weights)
     print(f"{args.out}: view of {view.num_samples} samples from {len(view.sources)} caches")
     return 0
@@ -294,20 +294,33 @@ def _interrupted(args: argparse.Namespace, exc: KeyboardInterrupt) -> tuple[int,
     return (143 if isinstance(exc, Terminated) else 130), f"speccache {args.command}: {how}{said}"
 
 
+FAILURES = (SpeccacheError, FileNotFoundError, FileExistsError, NotADirectoryError, ValueError)
+"""What a command reports as one line, without a traceback: anything else is a bug, whose traceback says where."""
+
+
+def _exit_code(exc: BaseException) -> int:
+    """2 for a refused flag (bad usage), 1 for every other failure."""
+    return 2 if isinstance(exc, UsageError) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code.
 
     A command may set ``interrupted(args, command) -> str`` (``set_defaults``): what an interrupted run keeps and
     the command that resumes it, printed as one line on Ctrl-C or SIGTERM instead of a traceback.
+
+    An error prints one line, ``speccache COMMAND: error: MESSAGE``, and exits 2 for a refused flag (a
+    :class:`UsageError`, as argparse's own refusals), 1 for any other of :data:`FAILURES`: a speccache error, a
+    missing or existing path, a ``ValueError`` of a library.
     """
     from speccache.precompute.run import resume_argv
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         argv = resume_argv(argv)
-    except (SpeccacheError, OSError, ValueError) as exc:
+    except (*FAILURES, OSError) as exc:  # the recorded command's manifest may be unreadable
         print(f"speccache precompute: error: {exc}", file=sys.stderr)
-        return 2
+        return _exit_code(exc)
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = argv
@@ -320,12 +333,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code, line = _interrupted(args, exc)
         if os.environ.get("RANK", "0") == "0":  # under torchrun, one line for the run
             print(line, file=sys.stderr)
-    except (SpeccacheError, FileNotFoundError, FileExistsError, NotADirectoryError) as exc:
+    except FAILURES as exc:
         print(f"speccache {args.command}: error: {exc}", file=sys.stderr)
-        code = 1
-    except ValueError as exc:
-        print(f"speccache {args.command}: error: {exc}", file=sys.stderr)
-        code = 2
+        code = _exit_code(exc)
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)

@@ -8,6 +8,8 @@ import re
 
 import torch
 
+from speccache.errors import UsageError
+
 __all__ = ["check_device", "fast_compute_dtype", "target_device"]
 
 
@@ -20,9 +22,9 @@ def check_device(device: str | None) -> None:
     if device is None:
         return
     if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", device):
-        raise ValueError(f"--device {device!r} is unknown; choose cpu or cuda")
+        raise UsageError(f"--device {device!r} is unknown; choose cpu or cuda")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: no CUDA device is visible to this process; use --device cpu")
+        raise UsageError(f"--device {device}: no CUDA device is visible to this process; use --device cpu")
 
 
 def target_device(device: str | None) -> torch.device:

@@ -23,6 +23,7 @@ __all__ = [
     "AuditError",
     "FollowTimeoutError",
     "OutputError",
+    "UsageError",
 ]
 
 
@@ -81,3 +82,8 @@ class FollowTimeoutError(SpeccacheError, TimeoutError):
 class OutputError(SpeccacheError, OSError):
     """The operating system refused to create or write an output path (read-only, no permission, name too long,
     disk full); the path and the fix are named, ``errno`` is the refusal's."""
+
+
+class UsageError(SpeccacheError, ValueError):
+    """A flag or argument value is refused (out of range, unknown, or not for this mode); the message names it and
+    the fix. The command line exits 2 for it, as for argparse's own refusals; 1 for every other error."""

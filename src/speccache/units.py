@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from speccache.errors import UsageError
+
 __all__ = ["counted", "human_bytes", "parse_bytes"]
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(?:([KMGTP])(i?)B?)?\s*B?\s*$", re.IGNORECASE)
@@ -19,7 +21,7 @@ def parse_bytes(text: str, flag: str) -> int:
     """
     match = _SIZE_RE.match(text)
     if match is None or not text.strip():
-        raise ValueError(f"{flag} {text!r} is not a size; give bytes, or a number with K, M, G, T or P (e.g. 500G)")
+        raise UsageError(f"{flag} {text!r} is not a size; give bytes, or a number with K, M, G, T or P (e.g. 500G)")
     number, unit, binary = match.groups()
     scale = 1
     if unit:
@@ -28,7 +30,7 @@ def parse_bytes(text: str, flag: str) -> int:
         scale = 1000**power if decimal else 1024**power
     value = int(float(number) * scale)
     if value < 1:
-        raise ValueError(f"{flag} {text!r} must be at least one byte")
+        raise UsageError(f"{flag} {text!r} must be at least one byte")
     return value
 
 

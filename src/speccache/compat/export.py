@@ -56,7 +56,7 @@ from safetensors import SafetensorError
 
 from speccache.compat import offline_cache as oc
 from speccache.data import SOURCE_ROW_KEY
-from speccache.errors import CacheExistsError, CacheFormatError
+from speccache.errors import CacheExistsError, CacheFormatError, UsageError
 from speccache.format import LENGTHS_KEY, Manifest, ShardFile, shard_path, validate_contiguous_shards
 from speccache.format.durable import ensure_writable_dir, writes_to
 from speccache.methods import eagle3, layers
@@ -258,7 +258,7 @@ def export_cache(
             long, disk full).
     """
     if to not in TARGETS:
-        raise ValueError(f"--to {to!r} is unknown; choose one of nemo-dspark, nemo-eagle3")
+        raise UsageError(f"--to {to!r} is unknown; choose one of nemo-dspark, nemo-eagle3")
     check_export_dir(out)
     plan = _plan(cache_dir, to, layer_ids, verify)
     ds, manifest, length = plan.dataset, plan.manifest, plan.manifest["seq_length"]
@@ -405,9 +405,9 @@ def cmd_import(args: argparse.Namespace) -> int:
         manifest = import_nemo_eagle3(args.nemo_dir, args.out, resume=args.resume)
     else:
         if not args.model:
-            raise ValueError(f"--from {args.layout} needs --model: the target whose features the files hold")
+            raise UsageError(f"--from {args.layout} needs --model: the target whose features the files hold")
         check_model_source(args.model)
-        layer_ids = [int(x) for x in args.layers.split(",") if x.strip()] if args.layers else None
+        layer_ids = layers.parse_layer_ids(args.layers, "--layers")
         manifest = import_peer(
             args.nemo_dir,
             args.out,
@@ -426,7 +426,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Run ``speccache export``."""
     from speccache.compat.interop import LAYOUTS, export_peer
 
-    layer_ids = [int(x) for x in args.layers.split(",") if x.strip()] if args.layers else None
+    layer_ids = layers.parse_layer_ids(args.layers, "--layers")
     export = export_peer if args.to in LAYOUTS else export_cache
     export(args.cache_dir, args.out, args.to, layer_ids, verify=not args.no_verify)
     return 0

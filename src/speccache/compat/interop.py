@@ -32,7 +32,7 @@ import torch
 from safetensors import SafetensorError
 
 from speccache.compat.export import DTYPES, check_export_dir
-from speccache.errors import CacheFormatError
+from speccache.errors import CacheFormatError, UsageError
 from speccache.format import Manifest, atomic_write, write_safetensors
 from speccache.format.durable import ensure_writable_dir, writes_to
 from speccache.methods import eagle3, layers
@@ -231,7 +231,7 @@ def export_peer(
         OutputError: the operating system refuses ``out`` or a write in it.
     """
     if to not in LAYOUTS:
-        raise ValueError(f"--to {to!r} is unknown; choose one of {', '.join(LAYOUTS)}")
+        raise UsageError(f"--to {to!r} is unknown; choose one of {', '.join(LAYOUTS)}")
     check_export_dir(out)
     source = open_source(cache_dir)  # a cache or a view: a view exports the samples it selects
     plans = {
@@ -492,10 +492,10 @@ def _speculators_import(
             f"{exc}"
         ) from None
     if layer_ids is None:
-        raise ValueError("--layers is required for --from speculators: the aux layer ids its hidden_states hold")
+        raise UsageError("--layers is required for --from speculators: the aux layer ids its hidden_states hold")
     aux = list(layer_ids)
     if target.num_layers - 1 in aux:
-        raise ValueError(f"--layers {aux}: the last layer {target.num_layers - 1} is the file's last entry already")
+        raise UsageError(f"--layers {aux}: the last layer {target.num_layers - 1} is the file's last entry already")
     selection = layers.LayerSelection(tuple(aux), target.num_layers, last_hidden=False, last_prenorm=True)
     keys = [f.key for f in selection.features()]
     want = len(aux) + 1
@@ -585,7 +585,7 @@ def import_peer(
     from speccache.write import CacheWriter, SideFile
 
     if layout not in IMPORTS:
-        raise ValueError(f"--from {layout!r} is unknown; choose one of nemo-eagle3, {', '.join(IMPORTS)}")
+        raise UsageError(f"--from {layout!r} is unknown; choose one of nemo-eagle3, {', '.join(IMPORTS)}")
     if not os.path.isdir(src):
         raise FileNotFoundError(f"{src}: no such directory")
     target = _target(model)

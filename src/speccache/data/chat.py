@@ -71,7 +71,7 @@ from speccache.data.template import (
     tokenizer_template,
     tool_list,
 )
-from speccache.errors import DataError
+from speccache.errors import DataError, UsageError
 from speccache.format import KeySpec, file_checksum
 
 __all__ = [
@@ -1018,7 +1018,7 @@ def check_dropped_mode(mode: str) -> None:
         ValueError: ``mode`` is not one of :data:`DROPPED_MODES`.
     """
     if mode not in DROPPED_MODES:
-        raise ValueError(f"--on-dropped {mode!r} is unknown; choose one of {', '.join(DROPPED_MODES)}")
+        raise UsageError(f"--on-dropped {mode!r} is unknown; choose one of {', '.join(DROPPED_MODES)}")
 
 
 def _dropped_error(where: str, dropped: list[tuple[int, str]], mode: str) -> DataError:

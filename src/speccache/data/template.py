@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from speccache.errors import DataError
+from speccache.errors import DataError, UsageError
 
 __all__ = [
     "REASONING_FIELDS",
@@ -189,9 +189,9 @@ class ChatFormat:
             ValueError: ``reasoning`` is not one of :data:`REASONING_MODES`, or ``turns`` of :data:`TURN_MODES`.
         """
         if reasoning not in REASONING_MODES:
-            raise ValueError(f"--reasoning {reasoning!r} is unknown; choose one of {', '.join(REASONING_MODES)}")
+            raise UsageError(f"--reasoning {reasoning!r} is unknown; choose one of {', '.join(REASONING_MODES)}")
         if turns not in TURN_MODES:
-            raise ValueError(f"--turns {turns!r} is unknown; choose one of {', '.join(TURN_MODES)}")
+            raise UsageError(f"--turns {turns!r} is unknown; choose one of {', '.join(TURN_MODES)}")
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         specials = {str(t) for t in tokenizer.all_special_tokens}
         specials |= {str(t) for t in added.values() if getattr(t, "special", False)}

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from speccache.errors import UsageError
 from speccache.methods.base import CaptureRequest, LoadedTarget
 from speccache.write import Comm, DataParallelGroups
 
@@ -31,11 +32,11 @@ def check_gpu_memory_utilization(value: float | None, engine: str) -> None:
     if value is None:
         return
     if engine != "vllm":
-        raise ValueError(
+        raise UsageError(
             f"--gpu-memory-utilization is vLLM's: use it with --engine vllm, or drop it (--engine {engine})"
         )
     if not 0 < value <= 1:
-        raise ValueError(f"--gpu-memory-utilization must lie in (0, 1] (a share of the memory), got {value}")
+        raise UsageError(f"--gpu-memory-utilization must lie in (0, 1] (a share of the memory), got {value}")
 
 
 def add_gpu_memory_utilization_argument(p: argparse.ArgumentParser) -> None:
@@ -65,7 +66,7 @@ class Engine(Protocol):
 
     @classmethod
     def check_flags(cls, cfg: Any) -> None:
-        """Refuse the flags this engine does not take, before anything is read (``ValueError``)."""
+        """Refuse the flags this engine does not take, before anything is read (``UsageError``: the CLI exits 2)."""
 
     @classmethod
     def check_model(cls, cfg: Any, model_config: Any, world_size: int) -> None:

@@ -66,7 +66,7 @@ class Generator(Protocol):
     @classmethod
     def check_flags(cls, config: Any) -> None:
         """Refuse the flags of a :class:`speccache.precompute.regenerate.RegenerateConfig` this generator does not
-        take, or an environment it cannot run in, before anything is read (``ValueError``)."""
+        take, or an environment it cannot run in, before anything is read (``UsageError``: the CLI exits 2)."""
 
     @classmethod
     def version(cls) -> str:

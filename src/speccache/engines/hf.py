@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from speccache.devices import target_device
+from speccache.errors import UsageError
 from speccache.methods.base import DTYPES, CaptureRequest, LoadedTarget
 from speccache.methods.decoder import decoder_calls, decoder_layers, forward_capturing
 from speccache.write import Comm
@@ -70,11 +71,11 @@ def check_shard_target(mode: str, tp_size: int | None = None, world_size: int | 
         ValueError: an unknown mode, a ``--tp-size`` without ``tp`` or below 2, or a sharded mode outside torchrun.
     """
     if mode not in SHARD_MODES:
-        raise ValueError(f"--shard-target {mode!r} is unknown; choose one of {', '.join(SHARD_MODES)}")
+        raise UsageError(f"--shard-target {mode!r} is unknown; choose one of {', '.join(SHARD_MODES)}")
     if tp_size is not None and mode != "tp":
-        raise ValueError(f"--tp-size is for --shard-target tp (this run has --shard-target {mode})")
+        raise UsageError(f"--tp-size is for --shard-target tp (this run has --shard-target {mode})")
     if tp_size is not None and tp_size < 2:
-        raise ValueError(f"--tp-size must be >= 2, got {tp_size}; a target on one rank is --shard-target replicate")
+        raise UsageError(f"--tp-size must be >= 2, got {tp_size}; a target on one rank is --shard-target replicate")
     if world_size == 1 and mode != "replicate":
         raise not_under_torchrun(mode)
 
@@ -90,21 +91,21 @@ def check_tp_plan(model_config: Any, tp_size: int) -> None:
     except ImportError:
         import transformers
 
-        raise ValueError(
+        raise UsageError(
             f"--shard-target tp needs transformers' native tensor parallelism (transformers.distributed."
             f"DistributedConfig), which transformers {transformers.__version__} lacks: upgrade transformers, "
             "or use --shard-target fsdp"
         ) from None
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     if not getattr(text, "base_model_tp_plan", None):
-        raise ValueError(
+        raise UsageError(
             f"--shard-target tp: transformers has no tensor-parallel plan for the {model_config.model_type!r} "
             "architecture; shard it with --shard-target fsdp instead"
         )
     for name in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(text, name, None)
         if isinstance(heads, int) and heads % tp_size:
-            raise ValueError(
+            raise UsageError(
                 f"--tp-size {tp_size} must divide the model's {name} ({heads}): each rank takes whole heads. "
                 "Choose a divisor, or --shard-target fsdp"
             )
@@ -127,14 +128,14 @@ class HfEngine:
         ``--enable-expert-parallel``."""
         check_shard_target(cfg.shard_target, cfg.tp_size)
         if cfg.tensor_parallel_size != 1:
-            raise ValueError("--tensor-parallel-size is vLLM's: use it with --engine vllm (or --shard-target tp)")
+            raise UsageError("--tensor-parallel-size is vLLM's: use it with --engine vllm (or --shard-target tp)")
         if cfg.enable_expert_parallel:
-            raise ValueError(
+            raise UsageError(
                 "--enable-expert-parallel is vLLM's: use it with --engine vllm (the hf engine spreads a mixture of "
                 "experts over torchrun's ranks with --shard-target fsdp or tp)"
             )
         if cfg.threads is not None and cfg.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {cfg.threads}")
+            raise UsageError(f"--threads must be >= 1, got {cfg.threads}")
 
     @classmethod
     def check_model(cls, cfg: Any, model_config: Any, world_size: int) -> None:
@@ -300,7 +301,7 @@ class Checkpoint:
             with safe_open(single, framework="pt") as f:
                 self.files = dict.fromkeys(f.keys(), "model.safetensors")
         else:
-            raise ValueError(
+            raise UsageError(
                 f"--model {model_dir}: a sharded target reads the weights from safetensors files "
                 "(model.safetensors or model.safetensors.index.json) in a local directory, and found none. "
                 "Convert the checkpoint with save_pretrained(safe_serialization=True), or use --shard-target replicate."
@@ -324,9 +325,9 @@ class Checkpoint:
             raise self.missing(name)
         return key
 
-    def missing(self, name: str) -> ValueError:
+    def missing(self, name: str) -> UsageError:
         """The error for parameter ``name``, which the checkpoint cannot provide."""
-        return ValueError(
+        return UsageError(
             f"--model {self.model_dir}: the checkpoint has no tensor for parameter {name!r}, and transformers "
             "has no conversion that builds it from the checkpoint's tensors: use --shard-target replicate "
             "for this model."
@@ -552,7 +553,7 @@ def _load_tp(model_path: str, dtype: Any, device: torch.device, groups: DataPara
     config = AutoConfig.from_pretrained(model_path)
     check_tp_plan(config, tp_size)
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ValueError(
+        raise UsageError(
             f"--model {model_path}: --shard-target tp loads transformers' own causal-LM classes, and the "
             f"{config.model_type!r} architecture has none; use --shard-target fsdp"
         )

@@ -9,6 +9,7 @@ from speccache.engines.hf import HfEngine
 from speccache.engines.hf_generate import HfGenerator
 from speccache.engines.vllm import VllmPrecomputeEngine
 from speccache.engines.vllm_generate import VllmGenerator
+from speccache.errors import UsageError
 
 __all__ = ["ENGINES", "GENERATORS", "engine_class", "generator_class"]
 
@@ -40,5 +41,5 @@ def generator_class(name: str) -> type[Generator]:
 
 def _choose(table: dict, name: str) -> type:
     if name not in table:
-        raise ValueError(f"--engine {name!r} is unknown; choose one of {', '.join(table)}")
+        raise UsageError(f"--engine {name!r} is unknown; choose one of {', '.join(table)}")
     return table[name]

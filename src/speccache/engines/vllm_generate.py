@@ -32,6 +32,7 @@ from speccache.engines.vllm import (
     shutdown_llm,
     vllm_version,
 )
+from speccache.errors import UsageError
 
 __all__ = ["VllmGenerator"]
 
@@ -61,7 +62,7 @@ class VllmGenerator:
     def check_flags(cls, config: Any) -> None:
         """Refuse ``--device`` (vLLM runs on its own platform) and an environment without vLLM."""
         if config.device is not None:
-            raise ValueError(
+            raise UsageError(
                 f"--device {config.device} is the hf engine's: vLLM runs the target on its own platform (the GPU "
                 "where it has one); drop --device"
             )

@@ -11,7 +11,7 @@ import os
 import re
 from collections.abc import Sequence
 
-from speccache.errors import CacheExistsError, CacheFormatError
+from speccache.errors import CacheExistsError, CacheFormatError, UsageError
 
 FORMAT_VERSION = 1
 """Version of the native layout (key schema, offsets, shard table). See docs/format.md."""
@@ -108,9 +108,9 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def check_shard_size(shard_size: int) -> None:
-    """Raise ``ValueError`` unless ``shard_size`` is an integer ``>= 1`` (numpy integers included)."""
+    """Raise :class:`UsageError` unless ``shard_size`` is an integer ``>= 1`` (numpy integers included)."""
     if isinstance(shard_size, bool) or not isinstance(shard_size, numbers.Integral) or shard_size < 1:
-        raise ValueError(f"shard_size must be an integer >= 1, got {shard_size!r}")
+        raise UsageError(f"shard_size must be an integer >= 1, got {shard_size!r}")
 
 
 def num_shards(num_samples: int, shard_size: int) -> int:

@@ -17,7 +17,7 @@ import xxhash
 from torch import nn
 
 from speccache.data import TokenizedSamples
-from speccache.errors import CacheFormatError
+from speccache.errors import CacheFormatError, UsageError
 from speccache.format import Schema, ShardFile
 from speccache.methods.decoder import Capture
 from speccache.write import Comm
@@ -58,7 +58,7 @@ def dtype_name(name: str, flag: str, choices: Sequence[str] = tuple(DTYPES)) -> 
     """
     short = TORCH_DTYPE_NAMES.get(name, name)
     if short not in choices:
-        raise ValueError(
+        raise UsageError(
             f"{flag} {name!r} is unknown; choose one of {', '.join(choices)} (torch's names, as bfloat16, too)"
         )
     return short
@@ -225,7 +225,7 @@ class Method(Protocol):
     presets: Mapping[str, str]
 
     def check_flags(self, cfg: Any) -> None:
-        """Refuse, before anything is read, the flags this method does not take (``ValueError``)."""
+        """Refuse, before anything is read, the flags this method does not take (``UsageError``: the CLI exits 2)."""
 
     def plan(self, cfg: Any, model_config: Any, dtype: torch.dtype) -> MethodPlan:
         """Decide the schema (float features stored as ``dtype``), the manifest fields and the capture request

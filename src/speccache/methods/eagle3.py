@@ -53,7 +53,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
 from speccache.data import SOURCE_ROW_KEY, TokenizedSamples, source_row_spec
-from speccache.errors import CacheFormatError, ConfigMismatchError
+from speccache.errors import CacheFormatError, ConfigMismatchError, UsageError
 from speccache.format import LENGTHS_KEY, STAT_PREFIX, KeySpec, Schema, ShardFile, tensor_checksum
 from speccache.methods.base import (
     CaptureRequest,
@@ -126,7 +126,7 @@ class Supervision:
                 k = 0
             if k >= 1:
                 return cls("topk", k)
-        raise ValueError(f"--supervision {text!r} is not one of hidden, probs, topk:K (K >= 1)")
+        raise UsageError(f"--supervision {text!r} is not one of hidden, probs, topk:K (K >= 1)")
 
     def __str__(self) -> str:
         return f"topk:{self.k}" if self.mode == "topk" else self.mode
@@ -162,7 +162,7 @@ def check_aux_layers(layers: Sequence[int], num_layers: int) -> list[int]:
     """
     layers = list(layers)
     if len(layers) != 3 or len(set(layers)) != 3 or any(not 0 <= i < num_layers for i in layers):
-        raise ValueError(
+        raise UsageError(
             f"--aux-layers {layers} must be exactly 3 distinct decoder layer ids in [0, {num_layers - 1}] "
             f"(the target has {num_layers} layers; the default is {default_aux_layers(num_layers)})"
         )
@@ -200,7 +200,7 @@ def eagle3_schema(
         float_keys["topk_probs"] = (supervision.k,)
     unknown = sorted(set(enc) - set(float_keys))
     if unknown:
-        raise ValueError(
+        raise UsageError(
             f"--encode names {unknown}, which are not float features of this cache; choose from {sorted(float_keys)}"
         )
     specs = [KeySpec("input_ids", torch.int32, (), ragged=True), KeySpec("loss_mask", torch.bool, (), ragged=True)]
@@ -232,7 +232,7 @@ def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int, special_ids:
     """
     vocab = counts.numel()
     if not 1 <= draft_vocab_size <= vocab:
-        raise ValueError(f"--draft-vocab-size {draft_vocab_size} must be in [1, {vocab}] (the target vocabulary)")
+        raise UsageError(f"--draft-vocab-size {draft_vocab_size} must be in [1, {vocab}] (the target vocabulary)")
     order: list[int] = list(dict.fromkeys(i for i in special_ids if 0 <= i < vocab))
     ids = torch.arange(vocab)
     # A stable sort on -count keeps ascending ids among equal counts; zero counts come last, in id order.
@@ -476,7 +476,7 @@ class Eagle3Method:
         """``--supervision`` must parse; the layer methods' flags are refused."""
         Supervision.parse(cfg.supervision)
         if cfg.layers is not None or cfg.last_hidden or cfg.last_prenorm:
-            raise ValueError(
+            raise UsageError(
                 "--layers, --last-hidden and --last-prenorm are for the layer methods; "
                 "--method eagle3 takes --aux-layers"
             )
@@ -496,16 +496,16 @@ class Eagle3Method:
         draft = cfg.draft_vocab_size if cfg.draft_vocab_size is not None else vocab
         if borrowed is not None:
             if cfg.draft_vocab_size is not None and cfg.draft_vocab_size != borrowed.numel():
-                raise ValueError(
+                raise UsageError(
                     f"--draft-vocab-size {cfg.draft_vocab_size} differs from --draft-vocab-from "
                     f"{cfg.draft_vocab_from}'s {borrowed.numel()} draft tokens; leave --draft-vocab-size out"
                 )
             draft = borrowed.numel()
         if not 1 <= draft <= vocab:
-            raise ValueError(f"--draft-vocab-size {draft} must be in [1, {vocab}] (the target vocabulary)")
+            raise UsageError(f"--draft-vocab-size {draft} must be in [1, {vocab}] (the target vocabulary)")
         supervision = Supervision.parse(cfg.supervision)
         if supervision.mode == "topk" and supervision.k > draft:
-            raise ValueError(f"--supervision topk:{supervision.k} asks for more than the {draft} draft tokens")
+            raise UsageError(f"--supervision topk:{supervision.k} asks for more than the {draft} draft tokens")
         config: dict[str, Any] = {"aux_layers": aux, "supervision": str(supervision), "draft_vocab_size": draft}
         if borrowed is not None:  # recorded only when set: a resume compares the source and its vocabulary
             config["draft_vocab_from"] = {

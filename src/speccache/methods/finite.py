@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from speccache.errors import NonFiniteFeatureError
+from speccache.errors import NonFiniteFeatureError, UsageError
 from speccache.format import LENGTHS_KEY, NativeShard, Schema, shard_path
 from speccache.format.reclaim import read_reclaims
 from speccache.format.shard import count_unsupervised
@@ -63,7 +63,7 @@ def check_nonfinite_mode(mode: str) -> str:
         ValueError: anything else; names the flag and the choices.
     """
     if mode not in NONFINITE_MODES:
-        raise ValueError(f"--nonfinite {mode!r} is unknown; choose one of {', '.join(NONFINITE_MODES)}")
+        raise UsageError(f"--nonfinite {mode!r} is unknown; choose one of {', '.join(NONFINITE_MODES)}")
     return mode
 
 

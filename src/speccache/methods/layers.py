@@ -48,7 +48,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
 from speccache.data import SOURCE_ROW_KEY, source_row_spec
-from speccache.errors import CacheFormatError
+from speccache.errors import CacheFormatError, UsageError
 from speccache.format import LENGTHS_KEY, KeySpec, Schema
 from speccache.methods.base import (
     TIED_KEY,
@@ -84,6 +84,7 @@ __all__ = [
     "LayerSelection",
     "dspark_layer_ids",
     "dflash_layer_ids",
+    "parse_layer_ids",
     "preset_selection",
     "layers_schema",
     "LayersTarget",
@@ -125,6 +126,20 @@ def dflash_layer_ids(num_layers: int, k: int = DEFAULT_K) -> list[int]:
     if k <= 1:
         return [num_layers // 2]
     return [int(round(start + (i * (end - start)) / (k - 1))) for i in range(k)]
+
+
+def parse_layer_ids(text: str | None, flag: str) -> list[int] | None:
+    """The layer ids of ``flag``'s value, ``"1,15,28"`` (brackets allowed: ``"[1, 15, 28]"``); None when not given.
+
+    Raises:
+        UsageError: an entry is not an integer (the message names ``flag``).
+    """
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.replace("[", "").replace("]", "").split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} {text!r} must be comma-separated integers, e.g. 1,15,28") from None
 
 
 @dataclass(frozen=True)
@@ -174,12 +189,12 @@ class LayerSelection:
     def __post_init__(self) -> None:
         ids, last = list(self.layers), self.num_layers - 1
         if len(set(ids)) != len(ids) or any(not -1 <= i <= last for i in ids) or ids != sorted(ids):
-            raise ValueError(
+            raise UsageError(
                 f"--layers {ids} must be distinct increasing layer ids in [-1, {last}] (-1 is the embedding output, "
                 f"{last} the final-norm output; the target has {self.num_layers} layers)"
             )
         if not ids and not self.last_hidden and not self.last_prenorm:
-            raise ValueError("--method layers stores nothing: give --layers, --last-hidden or --last-prenorm")
+            raise UsageError("--method layers stores nothing: give --layers, --last-hidden or --last-prenorm")
 
     def manifest_config(self, model_config: Any) -> dict[str, Any]:
         """The manifest's config fields of this selection of ``model_config``'s layers (what readers resolve ids by)."""
@@ -228,17 +243,17 @@ def preset_selection(
     """
     if method == "layers":
         if layers is None:
-            raise ValueError("--method layers needs --layers, e.g. --layers 1,9,17 (layer ids; -1 the embeddings)")
+            raise UsageError("--method layers needs --layers, e.g. --layers 1,9,17 (layer ids; -1 the embeddings)")
         return LayerSelection(tuple(layers), num_layers, last_hidden, last_prenorm)
     if method == "mtp":
         if layers:
-            raise ValueError("--method mtp stores the last hidden state only; drop --layers (or use --method layers)")
+            raise UsageError("--method mtp stores the last hidden state only; drop --layers (or use --method layers)")
         return LayerSelection((), num_layers, True, last_prenorm)
     if method in ("dspark", "dflash"):
         default = dspark_layer_ids if method == "dspark" else dflash_layer_ids
         ids = tuple(layers) if layers is not None else tuple(default(num_layers))
         return LayerSelection(ids, num_layers, True, last_prenorm)
-    raise ValueError(f"--method {method!r} is not a layer preset; choose one of {', '.join(PRESETS)}")
+    raise UsageError(f"--method {method!r} is not a layer preset; choose one of {', '.join(PRESETS)}")
 
 
 def layers_schema(
@@ -253,7 +268,7 @@ def layers_schema(
     names = [f.key for f in selection.features()]
     unknown = sorted(set(enc) - set(names))
     if unknown:
-        raise ValueError(f"--encode names {unknown}, which are not float features of this cache; choose from {names}")
+        raise UsageError(f"--encode names {unknown}, which are not float features of this cache; choose from {names}")
     specs = [KeySpec("input_ids", torch.int32, (), ragged=True), KeySpec("loss_mask", torch.bool, (), ragged=True)]
     specs += [KeySpec(n, dtype, (hidden_size,), ragged=True, encoding=enc.get(n, "raw")) for n in names]
     specs.append(source_row_spec())
@@ -350,12 +365,12 @@ class LayersMethod:
         """EAGLE-3's ``--supervision`` (other than hidden), ``--aux-layers``, ``--draft-vocab-size`` and
         ``--draft-vocab-from`` are refused."""
         if Supervision.parse(cfg.supervision).mode != "hidden":
-            raise ValueError(
+            raise UsageError(
                 f"--supervision {cfg.supervision} is for --method eagle3; --method {cfg.method} stores "
                 "last_hidden_state, from which the LM head in its side file gives the logits"
             )
         if cfg.aux_layers is not None or cfg.draft_vocab_size is not None or cfg.draft_vocab_from is not None:
-            raise ValueError(
+            raise UsageError(
                 "--aux-layers and --draft-vocab-size are for --method eagle3, as is --draft-vocab-from; --method "
                 f"{cfg.method} takes --layers (the EAGLE-3 reader of a layers cache picks its aux layers from them)"
             )

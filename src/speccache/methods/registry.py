@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from speccache.errors import UsageError
 from speccache.methods.base import Method
 from speccache.methods.eagle3 import EAGLE3
 from speccache.methods.layers import LAYERS
@@ -20,5 +21,5 @@ def method_for(name: str) -> Method:
         ValueError: an unknown name (the message lists the choices).
     """
     if name not in METHODS:
-        raise ValueError(f"--method {name!r} is unknown; choose one of {', '.join(METHODS)}")
+        raise UsageError(f"--method {name!r} is unknown; choose one of {', '.join(METHODS)}")
     return METHODS[name]

@@ -235,10 +235,11 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
         sample: what the report and the precompute summary compare with), and ``zbf16_hi_fraction``.
 
     Raises:
-        ValueError, DataError, FileNotFoundError: what ``precompute`` would reject before loading the model.
+        UsageError, DataError, FileNotFoundError: what ``precompute`` would reject before loading the model.
     """
     from speccache.precompute.run import DTYPES, make_plan, padded_probs_bytes
 
+    cfg.check()
     plan = make_plan(cfg)
     lengths = plan.samples.lengths.tolist()
     stats = _sample_stats(plan)

@@ -54,7 +54,7 @@ from speccache.devices import check_device
 from speccache.engines.base import add_gpu_memory_utilization_argument, check_gpu_memory_utilization
 from speccache.engines.generation import GenerationSettings, Generator
 from speccache.engines.registry import GENERATORS, generator_class
-from speccache.errors import CacheCorruptError, CacheExistsError, ConfigMismatchError, DataError
+from speccache.errors import CacheCorruptError, CacheExistsError, ConfigMismatchError, DataError, UsageError
 from speccache.format import durable
 from speccache.format.durable import ensure_writable_dir, file_checksum, remove_temp_files, writes_to
 from speccache.format.lock import CacheLock
@@ -114,24 +114,25 @@ class RegenerateConfig:
     progress: bool = field(default=False, repr=False)
     """Show the progress bar on stderr (the CLI's, unless ``--quiet``)."""
 
-    def validate(self) -> None:
-        """Check the settings without the model.
+    def check(self) -> None:
+        """Check the settings without the model; :func:`regenerate` runs it (as ``run_precompute`` runs
+        :meth:`~speccache.precompute.run.PrecomputeConfig.check`).
 
         Raises:
-            ValueError: a setting out of range, naming the flag.
+            UsageError: a setting out of range, naming the flag.
         """
         self.model_dtype = dtype_name(self.model_dtype, "--model-dtype")
         for name in ("max_new_tokens", "batch_size", "part_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.limit is not None and self.limit < 1:
-            raise ValueError(f"--limit must be >= 1, got {self.limit}")
+            raise UsageError(f"--limit must be >= 1, got {self.limit}")
         if not self.temperature >= 0:
-            raise ValueError(f"--temperature must be >= 0 (0: greedy), got {self.temperature}")
+            raise UsageError(f"--temperature must be >= 0 (0: greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"--top-p must lie in (0, 1], got {self.top_p}")
+            raise UsageError(f"--top-p must lie in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"--top-k must be >= 0 (0: no top-k), got {self.top_k}")
+            raise UsageError(f"--top-k must be >= 0 (0: no top-k), got {self.top_k}")
         check_device(self.device)
         check_gpu_memory_utilization(self.gpu_memory_utilization, self.engine)
         generator_class(self.engine).check_flags(self)
@@ -349,9 +350,9 @@ def regenerate(config: RegenerateConfig) -> RegenerateResult:
         CacheCorruptError: ``resume`` finds a written part changed.
         DataError: the data cannot be read, or a row is not a chat row the template renders.
         OutputError: ``out`` cannot be written.
-        ValueError: a bad setting.
+        UsageError: a bad setting.
     """
-    config.validate()
+    config.check()
     out = config.out
     if os.path.exists(out) and not os.path.isdir(out):
         raise CacheExistsError(f"--out {out} is a file; choose a new directory to regenerate into")

@@ -17,7 +17,7 @@ import os
 import shlex
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -49,7 +49,7 @@ from speccache.data import (
 from speccache.devices import target_device
 from speccache.engines.base import add_gpu_memory_utilization_argument, check_gpu_memory_utilization
 from speccache.engines.registry import engine_class
-from speccache.errors import DataError, SpeccacheError
+from speccache.errors import DataError, SpeccacheError, UsageError
 from speccache.format import (
     LENGTHS_KEY,
     Manifest,
@@ -63,6 +63,7 @@ from speccache.format.encoding import parse_encodings
 from speccache.format.reclaim import read_reclaims
 from speccache.methods.base import DTYPES, Method, MethodPlan, PrePass, dtype_name, model_config_hash, text_config
 from speccache.methods.finite import SKIP_REASON, ClearedCounter, check_nonfinite_mode
+from speccache.methods.layers import parse_layer_ids
 from speccache.methods.registry import METHODS, method_for
 from speccache.precompute.append import DATA_FIELDS, AppendedDataset, merge_stats, plan_append
 from speccache.units import counted, human_bytes, parse_bytes
@@ -245,13 +246,15 @@ class PrecomputeConfig:
     max_cache_shards: int | None = None
     argv: list[str] | None = None
     """The command line (``speccache`` left out), recorded in the manifest's ``producer``."""
+    _checked: tuple[Any, ...] | None = field(default=None, init=False, repr=False, compare=False)
+    """The settings :meth:`check` last passed: checked once, however many entry points check them."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PrecomputeConfig:
         """Build from parsed CLI arguments and check what can be checked without the model.
 
         Raises:
-            ValueError: a bad flag value; the message names the flag and the fix.
+            UsageError: a bad flag value; the message names the flag and the fix.
             FileNotFoundError: the data file or a local model directory is missing.
         """
         cfg = cls(
@@ -266,8 +269,8 @@ class PrecomputeConfig:
             batching=args.batching,
             shard_size=args.shard_size,
             dtype=args.dtype,
-            aux_layers=_parse_layers(args.aux_layers),
-            layers=_parse_layers(getattr(args, "layers", None), "--layers"),
+            aux_layers=parse_layer_ids(args.aux_layers, "--aux-layers"),
+            layers=parse_layer_ids(getattr(args, "layers", None), "--layers"),
             last_hidden=getattr(args, "last_hidden", False),
             last_prenorm=getattr(args, "last_prenorm", False),
             draft_vocab_size=args.draft_vocab_size,
@@ -308,36 +311,49 @@ class PrecomputeConfig:
         return cfg
 
     def check(self) -> None:
-        """Check every setting that needs neither the model nor the data contents."""
+        """Check every setting that needs neither the model nor the data contents, and normalise the dtype names.
+
+        :func:`run_precompute` and :func:`~speccache.precompute.estimate.estimate_cache` run it, so a config built
+        by hand meets the command line's refusals; settings unchanged since they passed are not checked again
+        (the model check may ask the hub).
+
+        Raises:
+            UsageError: a bad setting; the message names its flag and the fix.
+            FileNotFoundError, NotADirectoryError: the data, model, template or tools file is missing, or ``out``
+                is a file.
+            DataError: ``out`` lies inside the data directory.
+        """
+        if self._checked == self._settings():
+            return
         method_for(self.method).check_flags(self)
         check_gpu_memory_utilization(self.gpu_memory_utilization, self.engine)
         check_nonfinite_mode(self.nonfinite)
         self.dtype = dtype_name(self.dtype, "--dtype")
         self.model_dtype = dtype_name(self.model_dtype, "--model-dtype", ("auto", *DTYPES))
         if self.max_length < 2:
-            raise ValueError(
+            raise UsageError(
                 f"--max-length must be >= 2 (a sample needs a token and its successor), got {self.max_length}"
             )
         if self.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+            raise UsageError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.batching not in ("sorted", "ordered"):
-            raise ValueError(f"--batching {self.batching!r} must be sorted or ordered")
+            raise UsageError(f"--batching {self.batching!r} must be sorted or ordered")
         if self.max_batch_tokens is not None and (self.max_batch_tokens < 1 or self.batching != "sorted"):
-            raise ValueError(
+            raise UsageError(
                 f"--max-batch-tokens {self.max_batch_tokens} must be >= 1, with --batching sorted (the default)"
             )
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise ValueError(f"--prefill-chunk must be >= 1 tokens, got {self.prefill_chunk}")
+            raise UsageError(f"--prefill-chunk must be >= 1 tokens, got {self.prefill_chunk}")
         if self.shard_size < 1 or self.shard_size % self.batch_size:
-            raise ValueError(
+            raise UsageError(
                 f"--shard-size {self.shard_size} must be a positive multiple of --batch-size {self.batch_size}, "
                 "so that a "
                 "resumed or distributed run computes exactly the batches of an uninterrupted one"
             )
         if self.limit is not None and self.limit < 1:
-            raise ValueError(f"--limit must be >= 1, got {self.limit}")
+            raise UsageError(f"--limit must be >= 1, got {self.limit}")
         if self.max_cache_shards is not None and self.max_cache_shards < 1:
-            raise ValueError(f"--max-cache-shards must be >= 1, got {self.max_cache_shards}")
+            raise UsageError(f"--max-cache-shards must be >= 1, got {self.max_cache_shards}")
         if not os.path.exists(self.data) and not is_hub_id(self.data):
             raise FileNotFoundError(f"--data {self.data}: no such file")
         if self.out and not is_hub_id(self.data):
@@ -347,16 +363,20 @@ class PrecomputeConfig:
         if self.tools is not None and not os.path.isfile(self.tools):
             raise FileNotFoundError(f"--tools {self.tools}: no such file")
         if self.turns not in TURN_MODES:
-            raise ValueError(f"--turns {self.turns!r} is unknown; choose one of {', '.join(TURN_MODES)}")
+            raise UsageError(f"--turns {self.turns!r} is unknown; choose one of {', '.join(TURN_MODES)}")
         if self.num_proc is not None and self.num_proc < 1:
-            raise ValueError(f"--num-proc must be >= 1, got {self.num_proc}")
+            raise UsageError(f"--num-proc must be >= 1, got {self.num_proc}")
         if self.reasoning not in REASONING_MODES:
-            raise ValueError(f"--reasoning {self.reasoning!r} is unknown; choose one of {', '.join(REASONING_MODES)}")
+            raise UsageError(f"--reasoning {self.reasoning!r} is unknown; choose one of {', '.join(REASONING_MODES)}")
         check_dropped_mode(self.on_dropped)
         check_model_source(self.model)
         engine_class(self.engine).check_flags(self)
         if self.out and os.path.exists(self.out) and not os.path.isdir(self.out):
             raise NotADirectoryError(f"--out {self.out} is a file; give a directory for the cache")
+        self._checked = self._settings()
+
+    def _settings(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, f.name) for f in fields(self) if f.init)
 
 
 def check_out_outside_data(out: str, root: str) -> None:
@@ -375,15 +395,6 @@ def check_out_outside_data(out: str, root: str) -> None:
             "own files would change it, so the cache could never be resumed or appended to; write the cache "
             f"outside {root}"
         )
-
-
-def _parse_layers(text: str | None, flag: str = "--aux-layers") -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return [int(x) for x in text.replace("[", "").replace("]", "").split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} {text!r} must be comma-separated integers, e.g. 1,15,28") from None
 
 
 # ---------------------------------------------------------------------------
@@ -614,14 +625,16 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
     group's batches (the forward is a collective of the group) and the group's first rank writes them.
 
     Args:
-        cfg: the validated settings.
+        cfg: the settings; checked first (:meth:`PrecomputeConfig.check`) unless they passed already.
         comm: the process group (default: this process alone).
         progress: show the progress bar and the summary line (rank 0).
 
     Raises:
         CacheExistsError, ConfigMismatchError, CacheLockedError: the output directory cannot be used (nothing changed).
-        DataError, ValueError: bad data or settings (nothing written).
+        UsageError: a bad setting (nothing written).
+        DataError, ValueError: bad data (nothing written).
     """
+    cfg.check()
     comm = comm or LocalComm()
     engine = engine_class(cfg.engine)(cfg, comm)
     plan = make_plan(cfg, comm)
@@ -911,7 +924,7 @@ def resume_argv(argv: list[str]) -> list[str]:
     if _flag(argv, "--model") is not None and _flag(argv, "--data") is not None:
         return argv
     if not os.path.lexists(manifest_path(out)):
-        raise ValueError(
+        raise UsageError(
             f"--resume without --model and --data runs the command recorded in {manifest_path(out)}, which does not "
             "exist (nothing of a cache was written there); give the whole command"
         )
@@ -920,12 +933,12 @@ def resume_argv(argv: list[str]) -> list[str]:
     if not (
         isinstance(recorded, list) and recorded[:1] == ["precompute"] and all(isinstance(a, str) for a in recorded)
     ):
-        raise ValueError(
+        raise UsageError(
             f"--resume without --model and --data: {manifest_path(out)} records no command line (written by "
             f"speccache {producer.get('version')}); give the original command's flags with --resume"
         )
     if cwd != os.getcwd():
-        raise ValueError(
+        raise UsageError(
             f"--resume without --model and --data: the command recorded in {manifest_path(out)} ran in {cwd}, and "
             f"its paths may be relative to it; resume from there: cd {shlex.quote(str(cwd))} && "
             f"{shlex.join(['speccache', *recorded, '--resume'])}"

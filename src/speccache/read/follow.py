@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
 
-from speccache.errors import CacheCorruptError, CacheFormatError, FollowTimeoutError
+from speccache.errors import CacheCorruptError, CacheFormatError, FollowTimeoutError, UsageError
 from speccache.format import Manifest, existing_shard_indices, manifest_path, num_shards, shard_path
 from speccache.format.durable import writes_to
 from speccache.format.reclaim import read_reclaims, reclaim_shard
@@ -84,15 +84,15 @@ class Follow:
 
     def __post_init__(self) -> None:
         if isinstance(self.replay, bool) or not isinstance(self.replay, int) or self.replay < 1:
-            raise ValueError(f"replay must be an integer >= 1 (shards in the window), got {self.replay!r}")
+            raise UsageError(f"replay must be an integer >= 1 (shards in the window), got {self.replay!r}")
         if not self.timeout > 0 or not self.poll > 0:
-            raise ValueError(f"timeout and poll must be positive seconds, got {self.timeout!r} and {self.poll!r}")
+            raise UsageError(f"timeout and poll must be positive seconds, got {self.timeout!r} and {self.poll!r}")
         if self.reclaim_to is not None and not self.reclaim:
-            raise ValueError("reclaim_to moves reclaimed shards: it needs reclaim=True")
+            raise UsageError("reclaim_to moves reclaimed shards: it needs reclaim=True")
         if (self.rank is None) != (self.world_size is None):
-            raise ValueError("pass both rank and world_size, or neither")
+            raise UsageError("pass both rank and world_size, or neither")
         if self.world_size is not None and not 0 <= self.rank < self.world_size:  # type: ignore[operator]
-            raise ValueError(f"rank {self.rank} is outside [0, world_size={self.world_size})")
+            raise UsageError(f"rank {self.rank} is outside [0, world_size={self.world_size})")
 
     def position(self) -> tuple[int, int]:
         """``(rank, world_size)``: the given ones, the initialised process group's, or ``(0, 1)``."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import Dataset
 
+from speccache.errors import UsageError
 from speccache.read.collate import PadCollator
 
 if TYPE_CHECKING:
@@ -44,11 +45,12 @@ def sequence_parallel_rows(length: int, rank: int, world_size: int) -> slice:
     shard it, without reading the padding.
 
     Raises:
-        ValueError: ``rank`` is outside ``[0, world_size)`` or ``length`` is negative.
+        UsageError: ``rank`` is outside ``[0, world_size)``.
+        ValueError: ``length`` is negative.
     """
     world_size, rank, length = operator.index(world_size), operator.index(rank), operator.index(length)
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"sequence-parallel rank {rank} is outside [0, world_size={world_size})")
+        raise UsageError(f"sequence-parallel rank {rank} is outside [0, world_size={world_size})")
     if length < 0:
         raise ValueError(f"a sample's length must be >= 0, got {length}")
     each = -(-length // world_size)
@@ -86,7 +88,7 @@ class SequenceParallelDataset(Dataset):
         whole: Sequence[str] = ("input_ids", "loss_mask"),
     ) -> None:
         if (rank is None) != (world_size is None):
-            raise ValueError("pass both rank and world_size, or neither (to take them from the process group)")
+            raise UsageError("pass both rank and world_size, or neither (to take them from the process group)")
         if rank is None:
             import torch.distributed as dist
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from speccache.errors import CacheFormatError, CacheIncompleteError
+from speccache.errors import CacheFormatError, CacheIncompleteError, UsageError
 from speccache.format import Manifest, file_checksum, shard_path
 from speccache.format.manifest import CONFIG_DEFAULTS
 from speccache.format.view import View, new_view_dir, source_record
@@ -59,7 +59,7 @@ def parse_where(expr: str) -> list[tuple[str, str, float]]:
     for text in re.split(r"\s+and\s+", expr.strip()):
         m = _CLAUSE.match(text)
         if not m:
-            raise ValueError(
+            raise UsageError(
                 f"--where clause {text!r} must look like NAME OP NUMBER (OP one of >= > <= < == !=), "
                 "clauses joined by 'and', e.g. 'supervised_tokens >= 16 and mean_entropy < 2.5'"
             )
@@ -89,14 +89,15 @@ def make_merge_view(caches: Sequence[str], out: str, weights: Sequence[float] | 
 
     Raises:
         CacheFormatError: the caches differ in kind, schema, shard size or configuration other than their data
-            (every difference is listed), or ``weights`` do not fit (one finite weight > 0 per cache, an epoch of
-            at most ``MAX_EPOCH_SAMPLES``).
+            (every difference is listed), or ``weights`` are not finite and > 0 or expand an epoch past
+            ``MAX_EPOCH_SAMPLES``.
+        UsageError: ``weights`` do not give one weight per cache.
         CacheIncompleteError: a cache is not sealed.
         CacheExistsError: ``out`` is a file or holds a view, a cache or other files.
     """
     new_view_dir(out)
     if weights is not None and len(weights) != len(caches):
-        raise CacheFormatError(f"--weights {list(weights)} must give one weight per cache ({len(caches)})")
+        raise UsageError(f"--weights {list(weights)} must give one weight per cache ({len(caches)})")
     manifests = [_sealed(c) for c in caches]
     first = manifests[0]
     for cache, m in zip(caches[1:], manifests[1:]):
@@ -153,7 +154,7 @@ def make_subset_view(cache: str, out: str, where: str) -> View:
     stats = cache_sample_stats(cache)
     unknown = sorted({name for name, _, _ in clauses} - set(stats))
     if unknown:
-        raise ValueError(
+        raise UsageError(
             f"--where names {unknown}, which {cache} does not record per sample; it records {sorted(stats)}"
         )
     chosen = [

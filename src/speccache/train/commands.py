@@ -11,6 +11,7 @@ import torch
 
 from speccache.data import check_model_source
 from speccache.devices import target_device
+from speccache.errors import UsageError
 from speccache.methods.base import DTYPES, dtype_name
 from speccache.read.dataset import NO_VERIFY_HELP
 from speccache.units import counted
@@ -23,7 +24,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from speccache.train.trainer import train
 
     if not args.follow and (args.reclaim or args.reclaim_to or args.replay != 1 or args.ordered):
-        raise ValueError("--reclaim, --reclaim-to, --replay and --ordered read a cache being written: add --follow")
+        raise UsageError("--reclaim, --reclaim-to, --replay and --ordered read a cache being written: add --follow")
 
     result = train(
         args.cache_dir,
@@ -73,7 +74,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     """Run ``speccache evaluate``."""
     for name, value in (("--k", args.k), ("--max-new-tokens", args.max_new_tokens), ("--prompts", args.prompts)):
         if value is not None and value < 1:
-            raise ValueError(f"{name} {value} must be at least 1")
+            raise UsageError(f"{name} {value} must be at least 1")
     from speccache.train.plots import acceptance_chart, chart_path, not_drawn
 
     chart = chart_path(args.json) if args.json else None  # refused before the minutes of evaluation

@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from speccache.errors import UsageError
 from speccache.format.durable import atomic_write
 
 __all__ = ["LABELS", "PLOTS_EXTRA", "acceptance_chart", "chart_path", "loss_curve", "not_drawn"]
@@ -36,7 +37,7 @@ def chart_path(report: str) -> str:
     """
     png = os.path.splitext(report)[0] + ".png"
     if png == report:
-        raise ValueError(f"--json {report}: its chart would be written over it; name the report REPORT.json")
+        raise UsageError(f"--json {report}: its chart would be written over it; name the report REPORT.json")
     return png
 
 

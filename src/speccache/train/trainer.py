@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import Sampler
 
 from speccache.devices import target_device
+from speccache.errors import UsageError
 from speccache.methods.base import DTYPES, dtype_name
 from speccache.methods.eagle3 import (
     CACHE_NAME,
@@ -292,20 +293,20 @@ def train(
     counts = {"--epochs": epochs, "--batch-size": batch_size, "--ttt-steps": ttt_steps, "--max-steps": max_steps}
     for name, value in counts.items():
         if value is not None and value < 1:
-            raise ValueError(f"{name} {value} must be at least 1")
+            raise UsageError(f"{name} {value} must be at least 1")
     if intermediate_size is not None and intermediate_size < 1:
-        raise ValueError(f"--intermediate-size {intermediate_size} must be at least 1")
+        raise UsageError(f"--intermediate-size {intermediate_size} must be at least 1")
     if not lr > 0:
-        raise ValueError(f"--lr {lr} must be a positive learning rate")
+        raise UsageError(f"--lr {lr} must be a positive learning rate")
     if not step_decay > 0:
-        raise ValueError(f"--step-decay {step_decay} must be a positive weight ratio")
+        raise UsageError(f"--step-decay {step_decay} must be a positive weight ratio")
     if supervise not in ("generated", "all"):
-        raise ValueError(f"--supervise {supervise!r} is unknown; choose one of generated, all")
+        raise UsageError(f"--supervise {supervise!r} is unknown; choose one of generated, all")
     if not 0 <= warmup < 1:
-        raise ValueError(f"--warmup {warmup} must be a share of the steps in [0, 1)")
+        raise UsageError(f"--warmup {warmup} must be a share of the steps in [0, 1)")
     compute_dtype = dtype_name(compute_dtype, "--compute-dtype", COMPUTE_DTYPES)
     if follow is not None and epochs != 1:
-        raise ValueError(f"--epochs {epochs} with --follow: a stream is read once; --replay K reads each shard K times")
+        raise UsageError(f"--epochs {epochs} with --follow: a stream is read once; --replay K reads each shard K times")
     where = target_device(device)
     check_new_draft_dir(out)
     torch.manual_seed(seed)

@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from speccache.errors import DistributedError
+from speccache.errors import DistributedError, UsageError
 
 T = TypeVar("T")
 
@@ -248,7 +248,7 @@ def data_parallel_groups(comm: Comm, size: int) -> DataParallelGroups:
         ValueError: ``size`` does not divide the world size.
     """
     if size < 1 or comm.world_size % size:
-        raise ValueError(
+        raise UsageError(
             f"--tp-size {size} must divide the number of ranks ({comm.world_size}): the ranks form "
             "world_size / --tp-size data-parallel groups"
         )
@@ -336,9 +336,9 @@ def init_from_env(device: torch.device, timeout_s: float) -> Comm:
     return TorchComm(device, timeout_s=timeout_s, owns_group=True)
 
 
-def not_under_torchrun(mode: str) -> ValueError:
+def not_under_torchrun(mode: str) -> UsageError:
     """The error for ``--shard-target mode`` in a process that is not one rank of a torchrun world."""
-    return ValueError(
+    return UsageError(
         f"--shard-target {mode} runs under torchrun (it shards the target over the ranks); "
         "launch with torchrun --nproc-per-node N, or use --shard-target replicate"
     )

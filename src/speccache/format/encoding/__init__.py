@@ -22,6 +22,8 @@ from typing import Protocol
 
 import torch
 
+from speccache.errors import UsageError
+
 __all__ = [
     "Encoding",
     "PartLayout",
@@ -155,7 +157,7 @@ def parse_encodings(text: str) -> dict[str, str]:
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, sep, enc = item.partition("=")
         if not sep or not key or not enc:
-            raise ValueError(f"--encode item {item!r} must look like KEY=ENCODING (e.g. aux_hidden_states=fp8)")
+            raise UsageError(f"--encode item {item!r} must look like KEY=ENCODING (e.g. aux_hidden_states=fp8)")
         out[key.strip()] = enc.strip()
     return out
 
@@ -169,7 +171,7 @@ def get_encoding(name: str) -> Encoding:
     try:
         return ENCODINGS[name]
     except KeyError:
-        raise ValueError(f"unknown encoding {name!r}; choose one of {sorted(ENCODINGS)}") from None
+        raise UsageError(f"unknown encoding {name!r}; choose one of {sorted(ENCODINGS)}") from None
 
 
 def part_name(key: str, suffix: str) -> str:

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from speccache.errors import UsageError
 from speccache.format.encoding import PartLayout, register_encoding
 
 __all__ = ["Fp8Encoding", "fp8_error", "FP8_MAX"]
@@ -46,7 +47,7 @@ class Fp8Encoding:
 
     def check_dtype(self, key: str, dtype: torch.dtype) -> None:
         if dtype not in _FLOAT_DTYPES:
-            raise ValueError(
+            raise UsageError(
                 f"key {key!r}: encoding 'fp8' stores only bfloat16/float16/float32 values, got {dtype}; use 'raw'"
             )
 

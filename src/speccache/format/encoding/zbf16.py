@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import zstandard
 
+from speccache.errors import UsageError
 from speccache.format.encoding import PartLayout, register_encoding
 
 __all__ = ["Zbf16Encoding", "entropy_bound_bytes", "zbf16_plane_stats"]
@@ -73,7 +74,7 @@ class Zbf16Encoding:
 
     def check_dtype(self, key: str, dtype: torch.dtype) -> None:
         if dtype != torch.bfloat16:
-            raise ValueError(
+            raise UsageError(
                 f"key {key!r}: encoding 'zbf16' stores only bfloat16 values, got {dtype}; use 'raw' or 'fp8'"
             )
 
