@@ -530,3 +530,20 @@ def test_resume_recomputes_a_damaged_shard(cache):
     os.truncate(path, os.path.getsize(path) - 1)
     with begun(writer_for(cache, resume=True)) as run:
         assert run.shards == [1]  # shards 0 and 2 pass their checksums and are kept
+
+
+def test_the_top_level_exports_every_public_exception():
+    """``from speccache import XError`` works for every error class speccache raises (and ``Follow``)."""
+    import inspect
+
+    import speccache
+    import speccache.errors
+
+    classes = {
+        name
+        for name, obj in vars(speccache.errors).items()
+        if inspect.isclass(obj) and issubclass(obj, speccache.errors.SpeccacheError) and not name.startswith("_")
+    }
+    assert classes <= set(speccache.__all__), sorted(classes - set(speccache.__all__))
+    assert all(getattr(speccache, name) is getattr(speccache.errors, name) for name in classes)
+    assert "Follow" in speccache.__all__ and speccache.Follow.__module__ == "speccache.read.follow"

@@ -5,7 +5,8 @@ The public API, by layer (docs/architecture.md draws the layout):
 * format: :class:`KeySpec`, :class:`Manifest`, :data:`FORMAT_VERSION`;
 * writing: :class:`CacheWriter` (one producer run: lock, resume, overlapped writes, seal);
 * reading: :class:`CacheDataset`, :class:`PadCollator`, :class:`PackCollator`,
-  :class:`LocalityShuffleSampler`, :func:`verify_cache`, :func:`inspect_cache`;
+  :class:`LocalityShuffleSampler`, :func:`verify_cache`, :func:`inspect_cache`, :class:`Follow` (settings of a
+  reader that trains while the cache is written);
 * EAGLE-3: :class:`Eagle3CacheDataset`, :func:`build_eagle3_dataloader`, :class:`TargetHead`;
 * the exceptions of :mod:`speccache.errors`.
 
@@ -15,6 +16,7 @@ live in :mod:`speccache.offline_cache` only.
 
 from speccache._version import __version__
 from speccache.errors import (
+    AuditError,
     CacheCorruptError,
     CacheExistsError,
     CacheFormatError,
@@ -23,16 +25,22 @@ from speccache.errors import (
     ConfigMismatchError,
     DataError,
     DistributedError,
+    FollowTimeoutError,
+    NonFiniteFeatureError,
+    OutputError,
     ShardWriteError,
     SpeccacheError,
+    UsageError,
 )
 from speccache.format import FORMAT_VERSION, KeySpec, Manifest
 from speccache.methods.eagle3 import Eagle3CacheDataset, TargetHead, build_eagle3_dataloader
 from speccache.read import CacheDataset, LocalityShuffleSampler, PackCollator, PadCollator, inspect_cache, verify_cache
+from speccache.read.follow import Follow
 from speccache.write import CacheWriter
 
 __all__ = [
     "FORMAT_VERSION",
+    "AuditError",
     "CacheCorruptError",
     "CacheDataset",
     "CacheExistsError",
@@ -44,14 +52,19 @@ __all__ = [
     "DataError",
     "DistributedError",
     "Eagle3CacheDataset",
+    "Follow",
+    "FollowTimeoutError",
     "KeySpec",
     "LocalityShuffleSampler",
     "Manifest",
+    "NonFiniteFeatureError",
+    "OutputError",
     "PackCollator",
     "PadCollator",
     "ShardWriteError",
     "SpeccacheError",
     "TargetHead",
+    "UsageError",
     "__version__",
     "build_eagle3_dataloader",
     "inspect_cache",
