@@ -21,7 +21,6 @@ import time
 import pytest
 import torch
 
-import crashlib
 from speccache.cli import main as cli_main
 from speccache.errors import CacheCorruptError, CacheFormatError, CacheIncompleteError, FollowTimeoutError, OutputError
 from speccache.format import Manifest, shard_path
@@ -31,6 +30,7 @@ from speccache.read.follow import Follow
 from speccache.testing.synthetic import write_synthetic_cache
 from speccache.units import parse_bytes
 from speccache.write import DiskCap
+from support import SOAK, crashlib
 
 N, SHARD = 96, 8
 
@@ -312,7 +312,7 @@ def test_precompute_with_a_cap_and_train_follow_reclaim_side_by_side(tmp_path, t
     assert os.path.exists(tmp_path / "draft" / "model.safetensors")
 
 
-KILLS = 10 if not crashlib.SOAK else 40
+KILLS = 10 if not SOAK else 40
 
 
 def test_kill_9_of_producer_and_trainer_at_random_moments_loses_and_repeats_nothing(tmp_path):
