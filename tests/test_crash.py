@@ -117,6 +117,7 @@ def test_sync_and_overlapped_writers_write_identical_caches(servers, refs, tmp_p
     assert other.files == refs[producer].files
 
 
+@pytest.mark.slow
 def test_killed_producer_resumes_to_identical_cache(servers, refs, tmp_path):
     rng = random.Random(SEED)
     # Kill times are random and a run may finish first, so scenarios keep coming (in seeded order)

@@ -74,6 +74,7 @@ def test_a_long_sample_in_chunks_stays_under_the_memory_bound():
     assert peak <= bound, f"{peak / 2**20:.0f} MiB over the bound of {bound / 2**20:.0f} MiB"
 
 
+@pytest.mark.slow
 def test_chunks_cut_the_memory_of_a_wide_mlp_targets_forward():
     length = 16_384
     whole = forward_peak_bytes(length, None, "wide-mlp")
