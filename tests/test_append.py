@@ -13,7 +13,6 @@ import sys
 import pytest
 import torch
 
-from cachecmp import all_samples
 from speccache.cli import main
 from speccache.data import SKIPPED_ROWS_FILE
 from speccache.demo import build_tiny_model_dir, demo_data_path
@@ -23,6 +22,7 @@ from speccache.format.manifest import write_manifest_file
 from speccache.methods import finite
 from speccache.precompute.run import PrecomputeConfig, run_precompute
 from speccache.read import CacheDataset
+from support.cachecmp import all_samples
 
 # --threads 1: with torch's own thread count, a busy machine (load >= CPUs) adds its thread warning to the logs that
 # the append tests require to be free of warnings

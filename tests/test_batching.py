@@ -104,6 +104,7 @@ def test_a_cache_from_before_sorted_batches_resumes_with_batching_ordered(tiny_m
     assert json.loads((out / "manifest.json").read_text())["complete"] is True
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_batching_benchmark_reports_each_setting_in_its_own_section(tmp_path):
     doc, work = tmp_path / "benchmarks.md", tmp_path / "work"

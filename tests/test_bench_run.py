@@ -49,6 +49,7 @@ def test_paired_rounds_shuffle_the_order_of_jobs(run_module):
     assert len(orders) > 1 and all(sorted(o) == list("abcdef") for o in orders)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_report_replaces_its_own_section_and_keeps_the_rest(tmp_path):
     doc = tmp_path / "benchmarks.md"

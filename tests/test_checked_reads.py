@@ -15,7 +15,6 @@ import shutil
 import pytest
 import torch
 
-from cachecmp import same_samples
 from speccache.cli import main
 from speccache.demo import demo_data_path
 from speccache.errors import CacheCorruptError
@@ -24,6 +23,7 @@ from speccache.format.names import OFFSETS_KEY
 from speccache.methods.eagle3 import Eagle3CacheDataset, build_eagle3_dataloader
 from speccache.read import CacheDataset
 from speccache.read import dataset as dataset_module
+from support.cachecmp import same_samples
 
 pytestmark = pytest.mark.usefixtures("offline_single_thread")
 

@@ -16,11 +16,13 @@ import time
 
 import pytest
 
-import crashlib
-from cachecmp import all_samples, same_samples
 from speccache.errors import CacheIncompleteError, CacheLockedError
 from speccache.format.lock import LOCK_NAME, CacheLock
 from speccache.testing.synthetic import write_synthetic_cache
+from support import SOAK
+from support.cachecmp import all_samples, same_samples
+
+pytestmark = pytest.mark.soak_suite  # `make soak` runs it with SPECCACHE_SOAK=1, which multiplies its trials
 
 ARGS = dict(num_samples=48, shard_size=4, hidden=32, max_len=32)
 
@@ -124,7 +126,7 @@ def test_unreadable_lock_is_refused_not_taken(tmp_path, content):
 
 def test_writers_recovering_one_stale_lock_at_once_never_both_hold_it(tmp_path):
     """Many writers find the same dead holder's lock at the same moment: at most one holds the lock at a time."""
-    trials = 200 if crashlib.SOAK else 12
+    trials = 200 if SOAK else 12
     for trial in range(trials):
         out = str(tmp_path / f"c{trial}")
         os.makedirs(out)

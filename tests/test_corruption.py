@@ -23,13 +23,13 @@ import shutil
 import pytest
 import torch
 
-from cachecmp import same_samples
 from speccache import cli
 from speccache.errors import CacheCorruptError, CacheIncompleteError, SpeccacheError
 from speccache.format import MANIFEST_NAME, ShardFile, shard_path
 from speccache.read import CacheDataset
 from speccache.read.verify import verify_cache
 from speccache.testing.synthetic import write_synthetic_cache
+from support.cachecmp import same_samples
 
 SAMPLES, SHARD = 22, 4  # 6 shards, the last one partial
 NUM_SHARDS = -(-SAMPLES // SHARD)

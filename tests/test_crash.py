@@ -35,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import crashlib
-from crashlib import (
+from support import SOAK, crashlib
+from support.crashlib import (
     CLI,
     FAULTS,
     PRODUCER,
@@ -50,9 +50,12 @@ from crashlib import (
     run_scenario,
 )
 
+# `make soak` runs it with SPECCACHE_SOAK=1, which multiplies its producers, scenarios and kills
+pytestmark = pytest.mark.soak_suite
+
 SEED = int(os.environ.get("SPECCACHE_CRASH_SEED", "20240611"))
 WORKERS = 2
-if crashlib.SOAK:
+if SOAK:
     PRODUCERS = [Producer(samples=400, shard_size=6), Producer(samples=240, shard_size=4, encoding="zbf16"),
                  Producer(samples=240, shard_size=5, hidden=96, encoding="fp8")]  # fmt: skip
     MIN_SCENARIOS = int(os.environ.get("SPECCACHE_SOAK_SCENARIOS", "160"))
@@ -114,6 +117,7 @@ def test_sync_and_overlapped_writers_write_identical_caches(servers, refs, tmp_p
     assert other.files == refs[producer].files
 
 
+@pytest.mark.slow
 def test_killed_producer_resumes_to_identical_cache(servers, refs, tmp_path):
     rng = random.Random(SEED)
     # Kill times are random and a run may finish first, so scenarios keep coming (in seeded order)
@@ -165,7 +169,7 @@ def test_ctrl_c_leaves_no_temp_file_or_lock(servers, refs, tmp_path):
     rng = random.Random(SEED + 1)
     producer = PRODUCERS[0]
     span = refs[producer].fast_elapsed
-    count = 300 if crashlib.SOAK else 10
+    count = 300 if SOAK else 10
     # Ctrl-C lands anywhere; an interrupt inside a queue operation once deadlocked the overlapped writer.
     # A run faster than the reference finishes before a late Ctrl-C, so scenarios keep coming (in seeded order)
     # until both `count` ran and half of that many were interrupted.

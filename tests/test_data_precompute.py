@@ -171,6 +171,7 @@ def test_default_aux_layers_are_three_distinct_layers_for_small_targets(num_laye
         assert layers == [1, num_layers // 2 - 1, num_layers - 4]
 
 
+@pytest.mark.torchrun
 @pytest.mark.timeout(420)
 def test_torchrun_ranks_split_the_tokenization_and_write_the_one_process_cache(model_dir, tmp_path):
     import subprocess

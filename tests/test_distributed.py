@@ -53,7 +53,6 @@ import speccache.format.manifest as manifest_module
 import speccache.testing.synthetic as synthetic
 import speccache.write.cache_writer as cache_writer_module
 import speccache.write.loops as loops_module
-from cachecmp import file_tree
 from speccache.cli import main as cli_main
 from speccache.errors import CacheExistsError, ConfigMismatchError, DistributedError, OutputError, SpeccacheError
 from speccache.format import load_manifest_json, manifest_path, shard_path
@@ -63,6 +62,7 @@ from speccache.write import partition_cache_shards
 from speccache.write.cache_writer import CacheWriter, SideFile
 from speccache.write.dist import TorchComm, _rebuild_error, collective_failure_message, init_from_env, shutdown
 from speccache.write.writers import NativeShardWriter
+from support.cachecmp import file_tree
 
 COMMON = dict(hidden=16, max_len=24, seed=3)
 CONFIGS: dict[str, dict[str, int]] = {
@@ -401,7 +401,9 @@ def test_reference_layout(references: dict[str, Path]) -> None:
     assert len(load_manifest_json(manifest_path(str(references["uneven"])))["shards"]) == 7
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize(
+    "world", [1, pytest.param(2, marks=pytest.mark.torchrun), pytest.param(3, marks=pytest.mark.torchrun)]
+)
 def test_process_group_matches_single_process(world: int, references: dict[str, Path], tmp_path: Path) -> None:
     _make_interrupted(references["uneven"], tmp_path / "resume-uneven")
     kept = {i: os.stat(shard_path(str(tmp_path / "resume-uneven"), i)).st_ino for i in RESUME_KEPT}
@@ -444,6 +446,7 @@ def _cli_args(cfg: dict[str, int]) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.mark.torchrun
 def test_killed_rank_fails_the_others_then_torchrun_resumes_on_fewer_ranks(
     references: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -568,6 +571,7 @@ assert not left, f"the group outlived shutdown(): {left}"
 """
 
 
+@pytest.mark.torchrun
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the thread names from /proc")
 def test_shutdown_frees_the_group_and_its_gloo_threads(tmp_path: Path) -> None:
     # A group still referenced after destroy_process_group keeps its Gloo threads until the interpreter's

@@ -48,6 +48,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_model_dir(str(tmp_path_factory.mktemp("models") / "llama"), "llama", seed=3)
 
 
+@pytest.mark.torchrun
 @pytest.mark.timeout(420)
 def test_torchrun_eagle3_equals_one_process_cache(model_dir: str, tmp_path: Path) -> None:
     data = demo_data_path("sharegpt")

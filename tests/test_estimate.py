@@ -255,6 +255,7 @@ def real_data(tmp_path_factory) -> str:
     return write_rows(tmp_path_factory.mktemp("real-data") / "rows.jsonl", rows)
 
 
+@pytest.mark.slow
 def test_real_target_long_and_tool_rows_fp32(real_model, real_data, tmp_path, capsys):
     argv = ["--model", real_model, "--data", real_data, "--max-length", "4096", "--batch-size", "1",
             "--skip-bad-rows", "--num-proc", "1", "--model-dtype", "fp32"]  # fmt: skip

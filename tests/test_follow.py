@@ -21,7 +21,6 @@ import time
 import pytest
 import torch
 
-import crashlib
 from speccache.cli import main as cli_main
 from speccache.errors import CacheCorruptError, CacheFormatError, CacheIncompleteError, FollowTimeoutError, OutputError
 from speccache.format import Manifest, shard_path
@@ -31,6 +30,7 @@ from speccache.read.follow import Follow
 from speccache.testing.synthetic import write_synthetic_cache
 from speccache.units import parse_bytes
 from speccache.write import DiskCap
+from support import SOAK, crashlib
 
 N, SHARD = 96, 8
 
@@ -293,6 +293,7 @@ def test_follow_settings_and_flags_are_checked(capsys):
     assert "add --follow" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_precompute_with_a_cap_and_train_follow_reclaim_side_by_side(tmp_path, tiny_models, offline_single_thread):
     from speccache.demo import demo_data_path
     from speccache.train.trainer import train
@@ -312,9 +313,10 @@ def test_precompute_with_a_cap_and_train_follow_reclaim_side_by_side(tmp_path, t
     assert os.path.exists(tmp_path / "draft" / "model.safetensors")
 
 
-KILLS = 10 if not crashlib.SOAK else 40
+KILLS = 10 if not SOAK else 40
 
 
+@pytest.mark.slow
 def test_kill_9_of_producer_and_trainer_at_random_moments_loses_and_repeats_nothing(tmp_path):
     """Both sides killed at least ``KILLS`` times each, each restarted (the producer with --resume, the trainer
     from its last checkpoint) until both finish: the trainer's checkpointed ids are every sample once, the disk

@@ -25,11 +25,11 @@ import pytest
 import speccache.format as fmt
 import speccache.format.manifest as manifest_module
 import speccache.format.safetensors_file as safetensors_module
-from cachecmp import file_tree
 from speccache.errors import CacheExistsError, ShardWriteError
 from speccache.format.lock import LOCK_NAME
 from speccache.read.verify import verify_cache
 from speccache.testing.synthetic import write_synthetic_cache
+from support.cachecmp import file_tree
 
 ARGS = dict(num_samples=40, shard_size=4, hidden=32, max_len=32)
 WRITING_MODULES = (manifest_module, safetensors_module)

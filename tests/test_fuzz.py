@@ -20,18 +20,21 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-import crashlib
-from cachecmp import all_samples, file_tree, same_samples
 from speccache import cli
 from speccache.errors import DataError, SpeccacheError
 from speccache.format import MANIFEST_NAME, ShardFile, shard_path
 from speccache.read import CacheDataset
 from speccache.read.verify import inspect_cache, verify_cache
 from speccache.testing.synthetic import write_synthetic_cache
+from support import SOAK
+from support.cachecmp import all_samples, file_tree, same_samples
+
+# `make soak` runs it with SPECCACHE_SOAK=1, which multiplies its examples
+pytestmark = pytest.mark.soak_suite
 
 ARGS = dict(num_samples=10, shard_size=4, hidden=8, max_len=8)
 DOCUMENTED = (SpeccacheError, FileNotFoundError)
-EXAMPLES = 400 if crashlib.SOAK else 40
+EXAMPLES = 400 if SOAK else 40
 FUZZ = settings(
     max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )

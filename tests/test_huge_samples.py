@@ -22,14 +22,14 @@ from speccache.format import ShardFile, shard_path
 from speccache.methods.layers import LayerFeatureDataset
 from speccache.read import CacheDataset
 
-SOAK = os.environ.get("SPECCACHE_SOAK", "") not in ("", "0")
 WIDTH = 16_384
 LAYERS = [0, 1, 2]  # below the last layer (4), whose id the exports read before the final norm
 TOKENS = 12_000  # about: the demo tokenizer's words
 GIB2 = 1 << 31
 
 pytestmark = [
-    pytest.mark.skipif(not SOAK, reason="a 3 GB sample takes minutes and ~12 GB: SPECCACHE_SOAK=1 (make soak)"),
+    pytest.mark.soak(reason="a 3 GB sample takes minutes and ~12 GB"),
+    pytest.mark.soak_suite,
     pytest.mark.usefixtures("offline_single_thread"),
 ]
 

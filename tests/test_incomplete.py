@@ -8,13 +8,13 @@ import pytest
 
 import speccache.format.manifest as manifest_module
 import speccache.testing.synthetic as synthetic
-from cachecmp import all_samples, same_samples
 from speccache import cli
 from speccache.errors import CacheIncompleteError
 from speccache.format import shard_path
 from speccache.read import CacheDataset
 from speccache.read.verify import inspect_cache, verify_cache
 from speccache.testing.synthetic import write_synthetic_cache
+from support.cachecmp import all_samples, same_samples
 
 ARGS = dict(num_samples=30, shard_size=4, batch_size=4, hidden=16, max_len=24)  # 8 shards, the last one of 2
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from cachecmp import file_tree
 from speccache.cli import main
 from speccache.compat.interop import FILES_PER_DIR, specforge_path
 from speccache.demo import demo_data_path
 from speccache.format import ShardFile
 from speccache.methods.eagle3 import Eagle3CacheDataset
 from speccache.methods.layers import LayerFeatureDataset
+from support.cachecmp import file_tree
 
 LIMIT = 7
 MAX_LENGTH = 80

@@ -9,8 +9,6 @@ with a real target's proportion of MLP to attention holds a fraction of the unch
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -24,7 +22,7 @@ from speccache.read import CacheDataset
 from speccache.testing.long import forward_peak_bytes, long_target, memory_bound, right_padded
 from speccache.write import LocalComm
 
-SOAK = os.environ.get("SPECCACHE_SOAK", "") not in ("", "0")
+pytestmark = pytest.mark.soak_suite  # `make soak` runs the whole module, its soak test and the others
 
 
 def _assert_close(a: torch.Tensor, b: torch.Tensor, lengths: list[int], what: str) -> None:
@@ -76,6 +74,7 @@ def test_a_long_sample_in_chunks_stays_under_the_memory_bound():
     assert peak <= bound, f"{peak / 2**20:.0f} MiB over the bound of {bound / 2**20:.0f} MiB"
 
 
+@pytest.mark.slow
 def test_chunks_cut_the_memory_of_a_wide_mlp_targets_forward():
     length = 16_384
     whole = forward_peak_bytes(length, None, "wide-mlp")
@@ -83,7 +82,7 @@ def test_chunks_cut_the_memory_of_a_wide_mlp_targets_forward():
     assert chunked * 3 < whole, f"chunked {chunked / 2**20:.0f} MiB, unchunked {whole / 2**20:.0f} MiB"
 
 
-@pytest.mark.skipif(not SOAK, reason="a 131,072-token sample takes minutes on 2 cores: SPECCACHE_SOAK=1 (make soak)")
+@pytest.mark.soak(reason="a 131,072-token sample takes minutes on 2 cores")
 def test_a_131072_token_sample_in_chunks():
     """At 131,072 tokens the unchunked forward (64 GiB of scores per head) cannot run; the chunked one's rows of a
     prefix equal the unchunked forward of that prefix (a causal row reads only the tokens before it), two chunk

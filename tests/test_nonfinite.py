@@ -17,7 +17,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cachecmp import all_samples
 from speccache.cli import main
 from speccache.data import load_samples
 from speccache.demo import build_tiny_model_dir, demo_data_path
@@ -26,6 +25,7 @@ from speccache.format import load_manifest_json, manifest_path, shard_path
 from speccache.methods.eagle3 import Eagle3Target, Supervision
 from speccache.methods.finite import count_cleared, guard_nonfinite
 from speccache.precompute.run import pad_tokens
+from support.cachecmp import all_samples
 
 DATA = demo_data_path("sharegpt")
 LIMIT = 8

@@ -32,7 +32,8 @@ from speccache.read import CacheDataset
 from speccache.write import LocalComm
 from speccache.write.loops import shard_batches
 
-SOAK = os.environ.get("SPECCACHE_SOAK", "") not in ("", "0")
+pytestmark = pytest.mark.soak_suite  # `make soak` runs the whole module, its soak test and the others
+
 CHUNK = 64
 # 6 samples of 47-215 tokens in shards of 4 (4 + 2) over 2 ranks: rank 0's two batches take 4 and 2 chunks of 64,
 # rank 1's batch and its lockstep dummy 2 and 4; --draft-vocab-size runs the (separately sharded) LM head too.
@@ -77,6 +78,7 @@ def _chunk_counts_per_step(cache: Path) -> list[list[int]]:
     return [s + [decoder_calls(lengths[0], CHUNK)] * (most - len(s)) for s in steps]
 
 
+@pytest.mark.torchrun
 @pytest.mark.timeout(600)
 def test_fsdp_ranks_with_different_chunk_counts_write_the_one_process_cache(model_dir, reference, tmp_path) -> None:
     rank0, rank1 = _chunk_counts_per_step(reference)
@@ -88,7 +90,8 @@ def test_fsdp_ranks_with_different_chunk_counts_write_the_one_process_cache(mode
         assert (out / name).read_bytes() == (reference / name).read_bytes(), name
 
 
-@pytest.mark.skipif(not SOAK, reason="another torchrun run (10 s on 2 cores): SPECCACHE_SOAK=1 (make soak)")
+@pytest.mark.soak(reason="another torchrun run (10 s on 2 cores)")
+@pytest.mark.torchrun
 @pytest.mark.timeout(600)
 def test_a_tensor_parallel_group_in_chunks_agrees_with_one_process(model_dir, reference, tmp_path) -> None:
     out = tmp_path / "tp"

@@ -209,6 +209,7 @@ def _sp_rank(rank: int, world: int, port: int, cache: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.torchrun
 def test_a_sequence_parallel_loader_over_two_gloo_ranks_equals_the_single_rank_rows(caches, tmp_path):
     cache = caches["fp8"]
     mp.spawn(_sp_rank, args=(2, _free_port(), cache, str(tmp_path)), nprocs=2, join=True)

@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from residency import HAS_SMAPS, mapped_resident_bytes  # tests/, beside this file
 from speccache.errors import CacheCorruptError
 from speccache.format import shard_path
 from speccache.read import CacheDataset, PackCollator, PadCollator, SampleView
 from speccache.read.sampler import LocalityShuffleSampler
 from speccache.testing.synthetic import write_synthetic_cache
+from support.residency import HAS_SMAPS, mapped_resident_bytes
 
 RAGGED = ["input_ids", "loss_mask", "hidden"]
 

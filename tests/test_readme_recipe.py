@@ -21,8 +21,9 @@ import pytest
 from speccache import verify_cache
 from speccache.format.manifest import Manifest
 
+pytestmark = pytest.mark.soak_suite  # `make soak` runs the whole module, its soak test and the others
+
 ROOT = Path(__file__).resolve().parents[1]
-SOAK = os.environ.get("SPECCACHE_SOAK", "") not in ("", "0")
 MARKER = "<!-- readme-recipe"
 
 
@@ -58,7 +59,7 @@ def test_recipe_block_is_found_only_after_its_marker() -> None:
 
 
 @pytest.mark.timeout(1800)
-@pytest.mark.skipif(not SOAK, reason="a real 135M target on a CPU takes minutes: SPECCACHE_SOAK=1 (make soak)")
+@pytest.mark.soak(reason="a real 135M target on a CPU takes minutes")
 def test_recipe_runs_as_written_on_the_real_target(tmp_path: Path) -> None:
     block = recipe_block((ROOT / "README.md").read_text())
     env = dict(os.environ)

@@ -431,6 +431,7 @@ def test_text_after_turn_is_what_follows_the_end_token_whatever_the_history_rend
     assert text_after_turn(_qwen3_like(-1), messages, "t") == expected
 
 
+@pytest.mark.slow
 def test_real_target_batched_greedy_equals_one_prompt_at_a_time(real_model):
     """SmolLM2-135M in fp32: left padding, position ids and rows leaving the batch as they end change no answer."""
     tokenizer = load_chat_tokenizer(real_model)

@@ -23,6 +23,7 @@ from speccache.demo import build_tiny_model_dir
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "shard_memory.py"
 
 
+@pytest.mark.torchrun
 @pytest.mark.timeout(900)
 def test_sharded_ranks_hold_their_share_of_the_model(tmp_path: Path) -> None:
     cmd = [sys.executable, str(BENCH), "--targets", "narrow", "--world", "2", "--modes", "replicate", "fsdp", "tp"]
@@ -66,6 +67,7 @@ SMALL_WIDE = dict(
 )
 
 
+@pytest.mark.torchrun
 @pytest.mark.timeout(300)
 def test_fsdp_rank_on_wide_layers_holds_its_share_plus_three_units(tmp_path: Path) -> None:
     bench = _bench()

@@ -112,6 +112,7 @@ def reference(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[
     return out
 
 
+@pytest.mark.torchrun
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("nproc,dtype", [(2, "fp32"), (3, "bf16")])
 def test_fsdp_cache_equals_one_process_cache(model_dir, reference, tmp_path, nproc, dtype) -> None:
@@ -122,6 +123,7 @@ def test_fsdp_cache_equals_one_process_cache(model_dir, reference, tmp_path, npr
     assert parallel == {"shard_target": "fsdp", "world_size": nproc}
 
 
+@pytest.mark.torchrun
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["fsdp", "tp"])
 def test_killed_sharded_run_resumes_in_one_replicated_process(model_dir, reference, tmp_path, mode) -> None:
@@ -162,6 +164,7 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     return model, root / "reference"
 
 
+@pytest.mark.torchrun
 @pytest.mark.timeout(600)
 def test_fsdp_moe_cache_equals_one_process_cache(moe, tmp_path) -> None:
     # 8 experts over 3 ranks (3, 3, 2): each rank reads and holds only its own experts of each layer
@@ -170,6 +173,7 @@ def test_fsdp_moe_cache_equals_one_process_cache(moe, tmp_path) -> None:
     _assert_same_cache(tmp_path / "fsdp", reference)
 
 
+@pytest.mark.torchrun
 @pytest.mark.timeout(600)
 def test_tp_moe_cache_agrees_with_one_process_cache(moe, tmp_path) -> None:
     model, reference = moe
@@ -219,6 +223,7 @@ def tp_cache(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.torchrun
 @pytest.mark.timeout(600)
 def test_tp_cache_agrees_with_one_process_cache(tp_cache, reference) -> None:
     want = reference["fp32"]
@@ -231,6 +236,7 @@ def test_tp_cache_agrees_with_one_process_cache(tp_cache, reference) -> None:
     assert verify_cache(str(tp_cache)).ok
 
 
+@pytest.mark.torchrun
 @pytest.mark.timeout(600)
 def test_tp_groups_of_two_over_four_ranks_write_the_one_group_cache(model_dir, tp_cache, tmp_path) -> None:
     # 2 groups of 2: group 0 writes shard 0 (2 steps), group 1 shard 1 (1 step), with no collective between them.
@@ -241,6 +247,7 @@ def test_tp_groups_of_two_over_four_ranks_write_the_one_group_cache(model_dir, t
     assert parallel == {"shard_target": "tp", "world_size": 4, "tp_size": 2}
 
 
+@pytest.mark.torchrun
 @pytest.mark.timeout(600)
 def test_tp_group_without_shards_finishes(model_dir, tp_cache, tmp_path) -> None:
     # 4 samples make one shard: the second group owns none and never runs a forward.
@@ -255,6 +262,7 @@ def test_tp_group_without_shards_finishes(model_dir, tp_cache, tmp_path) -> None
     assert verify_cache(str(out)).ok
 
 
+@pytest.mark.torchrun
 @pytest.mark.timeout(300)
 def test_writer_refusal_fails_every_rank_of_its_group(model_dir, tp_cache, tmp_path) -> None:
     # Only a group's first rank checks the directory; the other rank must fail with the same error, not wait.
@@ -270,6 +278,7 @@ def test_writer_refusal_fails_every_rank_of_its_group(model_dir, tp_cache, tmp_p
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+@pytest.mark.torchrun
 @pytest.mark.timeout(300)
 def test_architecture_without_tp_plan_is_refused_before_loading(model_dir, tmp_path) -> None:
     from transformers import GPT2Config

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from cachecmp import same_samples
 from speccache.cli import main
 from speccache.demo import demo_data_path
 from speccache.errors import CacheFormatError
@@ -36,6 +35,7 @@ from speccache.methods.layers import (
 )
 from speccache.read.stats import cache_sample_stats
 from speccache.read.view import ViewDataset, make_merge_view, make_subset_view
+from support.cachecmp import same_samples
 
 DATA = demo_data_path("sharegpt")
 SETTINGS = ["--batch-size", "2", "--shard-size", "2", "--dtype", "fp32"]

@@ -14,7 +14,6 @@ from collections import Counter
 import pytest
 import torch
 
-from cachecmp import all_samples, same_samples
 from speccache.cli import main
 from speccache.errors import CacheCorruptError, CacheExistsError, CacheFormatError
 from speccache.format import LENGTHS_KEY, STAT_PREFIX, KeySpec, shard_path
@@ -25,6 +24,7 @@ from speccache.read.sampler import LocalityShuffleSampler
 from speccache.read.view import ViewDataset, make_merge_view, make_subset_view, parse_where
 from speccache.testing.synthetic import write_synthetic_cache
 from speccache.write import CacheWriter
+from support.cachecmp import all_samples, same_samples
 
 SYN = dict(shard_size=4, hidden=8, max_len=10)
 SCHEMA = {

@@ -24,7 +24,7 @@ from speccache.read import verify_cache
 
 require_vllm()
 
-pytestmark = pytest.mark.usefixtures("offline_single_thread")
+pytestmark = [pytest.mark.usefixtures("offline_single_thread"), pytest.mark.torchrun]  # runs is a torchrun run
 
 FLAGS = ["--limit", "12", "--max-length", "96", "--batch-size", "2", "--shard-size", "2", "--dtype", "fp32",
          "--model-dtype", "fp32", "--aux-layers", "0,1,2", "--engine", "vllm", "--quiet"]  # fmt: skip

@@ -3,7 +3,7 @@
 Producers run as real, separate processes. Starting a fresh interpreter costs
 about 5 s here (importing torch), far longer than the run itself, so that a
 random kill time would nearly always land in the import. Instead a *fork
-server* (``python tests/crashlib.py serve``) imports ``speccache`` once and, per
+server* (``python tests/support/crashlib.py serve``) imports ``speccache`` once and, per
 request, forks a child that runs ``speccache.testing.synthetic.main(argv)`` (what
 ``python -m speccache.testing.synthetic ARGV`` runs) or ``speccache.cli.main(argv)``
 with its own environment and log file. The server kills the child with
@@ -44,7 +44,6 @@ from typing import Any
 PRODUCER = "speccache.testing.synthetic"
 CLI = "speccache.cli"
 FAULTS = "speccache.testing.faults"
-SOAK = os.environ.get("SPECCACHE_SOAK", "") not in ("", "0")
 
 
 # ---------------------------------------------------------------------------
@@ -547,4 +546,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["serve"]:
         serve()
     else:
-        sys.exit("usage: python tests/crashlib.py serve")
+        sys.exit("usage: python tests/support/crashlib.py serve")
