@@ -5,6 +5,8 @@ the longest prefix that is a module must exist, and the next part must be a name
 (``src/...``, ``tests/...``, ``benchmarks/...``, ``docs/...``, or relative to ``src/speccache``: ``format/names.py``,
 ``engines/``, ``cli.py``). Its Markdown links to other files must exist too. Every module under ``src/speccache``
 (not ``_private`` ones or ``__init__``) must be named at least once, so a new module needs a line in the doc.
+The names "Where each rule lives" gives a module must be defined there, and "Modules over 600 lines" must list
+exactly the modules over 600 lines.
 """
 
 from __future__ import annotations
@@ -140,6 +142,58 @@ def test_the_checker_catches_a_moved_module_and_a_new_one():
     assert "`speccache.testing.fault`: src/speccache/testing/__init__.py binds no `fault`" in wrong
     assert unmentioned(scratch, documented_modules()) == ["speccache.format.names"]
     assert unmentioned(text, [*documented_modules(), "speccache.format.newcomer"]) == ["speccache.format.newcomer"]
+
+
+_HOME = re.compile(r"`([\w/.]+\.py)` \(([^()]*)\)")
+_NAME = re.compile(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?)`")
+
+
+def class_members(path: Path, name: str) -> set[str]:
+    """What class ``name`` of a module defines in its body (methods and class attributes)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            found = set()
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    found.add(item.name)
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    found.add(item.target.id)
+                elif isinstance(item, ast.Assign):
+                    found.update(t.id for t in item.targets if isinstance(t, ast.Name))
+            return found
+    return set()
+
+
+def missing_homes(text: str) -> list[str]:
+    """Names the "Where each rule lives" table gives a module (`` `format/names.py` (`shard_path`, ...) ``) that it
+    does not define: a top-level name, or ``Class.member``."""
+    section = text.split("## Where each rule lives", 1)[1].split("\n## ", 1)[0]
+    wrong = []
+    for module, inside in _HOME.findall(section):
+        path = resolve_path(module)
+        if not path.is_file():
+            continue  # missing() reports it
+        for name in _NAME.findall(inside):
+            owner, _, member = name.partition(".")
+            if owner not in bound_names(path) or (member and member not in class_members(path, owner)):
+                wrong.append(f"`{module}` (`{name}`): not defined there")
+    return wrong
+
+
+def test_every_rule_home_defines_what_the_doc_says():
+    wrong = missing_homes(DOC.read_text())
+    assert not wrong, "docs/architecture.md's 'Where each rule lives' names what is not there:\n" + "\n".join(wrong)
+
+
+def test_the_home_check_sees_a_renamed_function():
+    text = DOC.read_text()
+    assert "(`shard_path`," in text
+    assert missing_homes(text.replace("(`shard_path`,", "(`shard_file`,")) == [
+        "`format/names.py` (`shard_file`): not defined there"
+    ]
+    assert missing_homes(text.replace("`CacheWriter.writing`", "`CacheWriter.write`")) == [
+        "`write/cache_writer.py` (`CacheWriter.write`): not defined there"
+    ]
 
 
 LARGE = 600
