@@ -2,12 +2,13 @@
 
 Every import statement of every module is read with ``ast`` (function-level imports included), so the
 contract holds for lazy imports too. ``import speccache`` and ``speccache --help`` must not load the
-test support of :mod:`speccache.testing`.
+test support of :mod:`speccache.testing`. Every public module names its API in ``__all__``.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +132,21 @@ def test_import_and_help_load_no_test_support(code):
     out = subprocess.run([sys.executable, "-c", code + report], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def curates_names(path: Path) -> bool:
+    """Whether a module must define ``__all__``: a public module (no ``_private`` part), or a package whose
+    ``__init__.py`` binds names (one holding only its docstring has none to curate)."""
+    parts = path.relative_to(SRC).with_suffix("").parts
+    if path.name == "__init__.py":
+        body = ast.parse(path.read_text()).body
+        return any(not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)) for node in body)
+    return not any(part.startswith("_") for part in parts)
+
+
+@pytest.mark.parametrize("path", [p for p in MODULES if curates_names(p)], ids=lambda p: module_name(p))
+def test_every_public_module_names_its_api_in_all(path):
+    module = importlib.import_module(module_name(path))
+    assert hasattr(module, "__all__"), f"{path.relative_to(SRC)} defines no __all__: list the names others import"
+    unbound = [name for name in module.__all__ if not hasattr(module, name)]
+    assert not unbound, f"{path.relative_to(SRC)}: __all__ names what it does not bind: {unbound}"

@@ -21,6 +21,8 @@ from typing import Any
 from speccache.errors import SpeccacheError, UsageError
 from speccache.units import counted, human_bytes
 
+__all__ = ["build_parser", "main"]
+
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a cache's schema, counts and sizes."""

@@ -35,6 +35,8 @@ from speccache.methods.eagle3 import TargetHead, build_eagle3_dataloader
 from speccache.train.draft import LOSS_CURVE, TRAIN_LOG
 from speccache.train.plots import LABELS, PLOTS_EXTRA, chart_path
 
+__all__ = ["MEASURED_SCALE", "acceptance", "acceptance_summary", "conclusions", "main", "outputs"]
+
 DRAFT, REPORT = "draft", "report.json"  # in the acceptance part's directory
 ACCEPTANCE_ROWS, ACCEPTANCE_EPOCHS = 48, 5  # the demo's draft: 5 epochs on 48 training answers
 

@@ -20,6 +20,20 @@ import xxhash
 from speccache.errors import OutputError
 from speccache.format.names import TEMP_RE, TMP_MARK
 
+__all__ = [
+    "apply_umask",
+    "atomic_write",
+    "bytes_view",
+    "ensure_writable_dir",
+    "file_checksum",
+    "fsync_dir",
+    "remove_temp_files",
+    "temp_path",
+    "tensor_checksum",
+    "write_bytes_file",
+    "writes_to",
+]
+
 _FIXES = {
     errno.EROFS: "the filesystem is read-only; choose a directory on a writable one",
     errno.EACCES: "choose a directory you may write, or fix its permissions",

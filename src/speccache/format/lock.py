@@ -20,6 +20,8 @@ from speccache.errors import CacheLockedError
 from speccache.format.durable import temp_path
 from speccache.format.names import LOCK_GUARD_NAME, LOCK_NAME
 
+__all__ = ["LOCK_NAME", "CacheLock", "lock_path"]
+
 
 def lock_path(cache_dir: str) -> str:
     """The writer lock's path inside ``cache_dir``."""

@@ -13,6 +13,33 @@ from collections.abc import Sequence
 
 from speccache.errors import CacheExistsError, CacheFormatError, UsageError
 
+__all__ = [
+    "FORMAT_VERSION",
+    "LENGTHS_KEY",
+    "LOCK_GUARD_NAME",
+    "LOCK_NAME",
+    "MANIFEST_NAME",
+    "MAX_ELEMENTS",
+    "MAX_HEADER_BYTES",
+    "MAX_SHARDS",
+    "OFFSETS_KEY",
+    "RECLAIM_RE",
+    "SHARD_RE",
+    "STAT_PREFIX",
+    "TEMP_RE",
+    "TMP_MARK",
+    "ceil_div",
+    "check_no_foreign_files",
+    "check_shard_size",
+    "existing_shard_indices",
+    "manifest_path",
+    "num_shards",
+    "reclaim_path",
+    "shard_path",
+    "shard_samples",
+    "validate_contiguous_shards",
+]
+
 FORMAT_VERSION = 1
 """Version of the native layout (key schema, offsets, shard table). See docs/format.md."""
 

@@ -25,6 +25,8 @@ from speccache.format.durable import atomic_write, bytes_view
 from speccache.format.names import MAX_ELEMENTS, MAX_HEADER_BYTES
 from speccache.format.schema import dtype_of_safetensors_code, safetensors_code
 
+__all__ = ["ShardFile", "WrittenFile", "safetensors_prefix", "write_safetensors"]
+
 
 @dataclass(frozen=True)
 class WrittenFile:

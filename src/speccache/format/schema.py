@@ -13,6 +13,17 @@ from speccache.errors import CacheFormatError
 from speccache.format.encoding import get_encoding
 from speccache.format.names import MAX_ELEMENTS
 
+__all__ = [
+    "KeySpec",
+    "Schema",
+    "dtype_from_name",
+    "dtype_name",
+    "dtype_of_safetensors_code",
+    "safetensors_code",
+    "schema_from_json",
+    "schema_to_json",
+]
+
 _DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "float64": (torch.float64, "F64"),
     "float32": (torch.float32, "F32"),

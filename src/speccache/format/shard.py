@@ -27,6 +27,22 @@ from speccache.format.names import FORMAT_VERSION, LENGTHS_KEY, OFFSETS_KEY, STA
 from speccache.format.safetensors_file import ShardFile, WrittenFile, write_safetensors
 from speccache.format.schema import KeySpec, Schema
 
+__all__ = [
+    "SHARD_META_CHECKSUMS",
+    "SHARD_META_ROWS",
+    "SHARD_META_SAMPLES",
+    "NativeShard",
+    "checksum_mismatch",
+    "count_unsupervised",
+    "encoding_error_sums",
+    "expected_parts",
+    "recorded_checksums",
+    "sample_stats",
+    "shard_metadata",
+    "verify_tensor_checksums",
+    "write_shard_file",
+]
+
 SHARD_META_FORMAT = "speccache_format"
 SHARD_META_INDEX = "shard_index"
 SHARD_META_SAMPLES = "num_samples"

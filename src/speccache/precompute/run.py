@@ -81,6 +81,24 @@ from speccache.write import (
 )
 from speccache.write.loops import shard_batches
 
+__all__ = [
+    "DTYPES",
+    "Plan",
+    "PrecomputeConfig",
+    "TokenizedDataset",
+    "add_precompute_arguments",
+    "batch_pad_id",
+    "check_out_outside_data",
+    "computed_tokens",
+    "make_plan",
+    "pad_tokens",
+    "padded_probs_bytes",
+    "register_commands",
+    "resume_argv",
+    "run_precompute",
+    "summary_line",
+]
+
 log = logging.getLogger("speccache.precompute")
 
 

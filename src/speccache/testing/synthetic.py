@@ -21,6 +21,8 @@ from torch.utils.data import DataLoader, Dataset
 from speccache.format import LENGTHS_KEY, KeySpec, Manifest, Schema
 from speccache.write import CacheWriter, Comm, DiskCap, compute_shard_runs, init_from_env, shutdown
 
+__all__ = ["SyntheticSamples", "collate_samples", "make_compute", "main", "synthetic_schema", "write_synthetic_cache"]
+
 log = logging.getLogger(__name__)
 
 

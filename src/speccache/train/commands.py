@@ -16,6 +16,8 @@ from speccache.methods.base import DTYPES, dtype_name
 from speccache.read.dataset import NO_VERIFY_HELP
 from speccache.units import counted
 
+__all__ = ["loss_summary", "register_commands"]
+
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Run ``speccache train``."""
