@@ -1,6 +1,7 @@
 """``speccache train``: the reference EAGLE-3 draft trained from a cache with soft cross-entropy.
 
-The cache is read only through :func:`speccache.methods.eagle3.build_eagle3_dataloader` and
+The cache is read through :mod:`speccache.read.source` (a cache, a view, or a cache being written, followed with
+:class:`speccache.read.follow.Follow`) as :class:`speccache.methods.eagle3.build_eagle3_dataloader` reads it, with
 :class:`speccache.methods.eagle3.TargetHead`; :func:`speccache.methods.eagle3.draft_view` aligns each batch
 (slot ``j``: ``aux[j]``, ``input_ids[j + 1]``, row ``j + 1``'s distribution, ``position_mask[j + 1]``). Each
 training-time-test step ``a`` is graded on the slots ``j >= a`` of the mask against the same distribution,

@@ -1,8 +1,9 @@
 """The few collectives a producer needs, for one process or a ``torch.distributed`` group.
 
 Producers talk to a :class:`Comm` so that the same code runs alone and under
-``torchrun``; this is the only module that knows about ``torch.distributed``:
-:func:`init_from_env` joins the group, :func:`shutdown` leaves it.
+``torchrun``; this is the only module that makes groups and collectives of ``torch.distributed``
+(readers only ask it for their rank and world size): :func:`init_from_env` joins the group, :func:`shutdown`
+leaves it.
 
 A collective that fails (another rank died, so its sockets closed; or it did not
 reach the same collective within the timeout) raises
