@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from speccache.devices import target_device
+from speccache.engines.base import EngineSettings
 from speccache.errors import UsageError
 from speccache.methods.base import DTYPES, CaptureRequest, LoadedTarget
 from speccache.methods.decoder import decoder_calls, decoder_layers, forward_capturing
@@ -123,7 +124,7 @@ class HfEngine:
     pads = True
 
     @classmethod
-    def check_flags(cls, cfg: Any) -> None:
+    def check_flags(cls, cfg: EngineSettings) -> None:
         """Check ``--shard-target``, ``--tp-size`` and ``--threads``; refuse vLLM's ``--tensor-parallel-size`` and
         ``--enable-expert-parallel``."""
         check_shard_target(cfg.shard_target, cfg.tp_size)
@@ -138,12 +139,12 @@ class HfEngine:
             raise UsageError(f"--threads must be >= 1, got {cfg.threads}")
 
     @classmethod
-    def check_model(cls, cfg: Any, model_config: Any, world_size: int) -> None:
+    def check_model(cls, cfg: EngineSettings, model_config: Any, world_size: int) -> None:
         """Under ``--shard-target tp``: whether transformers can split the architecture over ``--tp-size`` ranks."""
         if cfg.shard_target == "tp":
             check_tp_plan(model_config, cfg.tp_size or world_size)
 
-    def __init__(self, cfg: Any, comm: Comm) -> None:
+    def __init__(self, cfg: EngineSettings, comm: Comm) -> None:
         check_shard_target(cfg.shard_target, cfg.tp_size, comm.world_size)
         self.cfg, self.comm = cfg, comm
         self.group_size = (cfg.tp_size or comm.world_size) if cfg.shard_target == "tp" else 1

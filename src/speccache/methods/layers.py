@@ -55,6 +55,7 @@ from speccache.methods.base import (
     CaptureRequest,
     LoadedTarget,
     MethodPlan,
+    MethodSettings,
     PrePass,
     stores_head,
     text_config,
@@ -361,7 +362,7 @@ class LayersMethod:
     side_file = SIDE_FILE
     presets = PRESETS
 
-    def check_flags(self, cfg: Any) -> None:
+    def check_flags(self, cfg: MethodSettings) -> None:
         """EAGLE-3's ``--supervision`` (other than hidden), ``--aux-layers``, ``--draft-vocab-size`` and
         ``--draft-vocab-from`` are refused."""
         if Supervision.parse(cfg.supervision).mode != "hidden":
@@ -375,7 +376,7 @@ class LayersMethod:
                 f"{cfg.method} takes --layers (the EAGLE-3 reader of a layers cache picks its aux layers from them)"
             )
 
-    def plan(self, cfg: Any, model_config: Any, dtype: torch.dtype) -> MethodPlan:
+    def plan(self, cfg: MethodSettings, model_config: Any, dtype: torch.dtype) -> MethodPlan:
         """The preset's selection (:func:`preset_selection`) and its schema.
 
         Raises:
