@@ -720,6 +720,10 @@ class TargetHead(nn.Module):
         selected_token_ids: ``[Vd]`` their target ids.
     """
 
+    # buffers (register_buffer), which nn.Module's attribute lookup types as Tensor | Module
+    weight: torch.Tensor
+    selected_token_ids: torch.Tensor
+
     def __init__(self, lm_head_rows: torch.Tensor, selected_token_ids: torch.Tensor) -> None:
         super().__init__()
         self.register_buffer("weight", lm_head_rows.detach().clone())
