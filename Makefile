@@ -72,10 +72,13 @@ test: install
 test-fast: install
 	SPECCACHE_SEED=$(SEED) $(PY) -m pytest -q -p no:cacheprovider -m "not slow and not torchrun"
 
-# ruff (configured in pyproject.toml): formatting and lint; CI runs it before the tests.
+# ruff (configured in pyproject.toml): formatting and lint; then mypy on src/speccache (its [tool.mypy] settings),
+# held to .mypy-baseline.txt by tools/mypy_baseline.py: a new error, or a baseline line mypy no longer reports,
+# fails. CI runs it before the tests.
 lint: install
-	$(VENV)/bin/ruff format --check src tests benchmarks
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks tools
+	$(VENV)/bin/ruff check src tests benchmarks tools
+	$(PY) tools/mypy_baseline.py
 
 # One torch thread by default: on a busy 2-core machine more threads ran many times slower (docs/training.md).
 # DEMO_THREADS=N for another count.

@@ -180,8 +180,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 f"reclaimed {shard['name']}  samples={shard['samples']} tokens={shard['tokens']} "
                 f"bytes={shard['bytes']} ({where} after use by a following trainer)"
             )
-        for problem in report.problems:
-            print(f"PROBLEM  {problem.file}: {problem.reason}")
+        for found in report.problems:
+            print(f"PROBLEM  {found.file}: {found.reason}")
         reclaimed = f", {len(report.reclaimed)} reclaimed after use" if report.reclaimed else ""
         print(
             f"{args.cache_dir}: {'sound' if report.ok else f'{len(report.problems)} problem(s)'} "

@@ -417,7 +417,7 @@ def _specforge_import(src: str, target: _Target, layer_ids: Sequence[int] | None
 
     def load(name: str) -> dict[str, torch.Tensor]:
         sample = _specforge_sample(
-            _load_specforge(os.path.join(src, name)), target.hidden, target.vocab, (dtype or [None])[0]
+            _load_specforge(os.path.join(src, name)), target.hidden, target.vocab, dtype[0] if dtype else None
         )
         dtype[:1] = [sample["aux_hidden_states"].dtype]
         return sample

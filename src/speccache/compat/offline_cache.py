@@ -370,6 +370,7 @@ def collate_cached(features: list[dict[str, torch.Tensor]], keys: tuple[str, ...
         if layout is None:
             batch[key] = torch.stack([feature[key] for feature in features], dim=0)
         else:
+            assert rows is not None  # readable_layout finds a layout only in a batch read from shards
             shape = (len(features), *layout.shape)
             batch[key] = out = batch_tensor(shape, layout.dtype, pin=False, pool=_BATCH_MEMORY)
             read_into(out, rows, key, layout, range(0, len(features) * layout.row_bytes, layout.row_bytes))
@@ -385,7 +386,7 @@ def build_cached_dataloader(
     distributed: bool = False,
 ) -> DataLoader:
     """A DataLoader over a cache dataset (``DistributedSampler`` when ``distributed``; never drops the last batch)."""
-    sampler = DistributedSampler(dataset, shuffle=shuffle) if distributed else None
+    sampler: DistributedSampler | None = DistributedSampler(dataset, shuffle=shuffle) if distributed else None
     return DataLoader(
         dataset,
         batch_size=batch_size,

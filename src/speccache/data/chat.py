@@ -1213,7 +1213,7 @@ def tokenizer_hash(tokenizer: Any) -> str:
         An xxh3_128 hex digest.
     """
     template = chat_template_of(tokenizer)
-    payload = {
+    payload: dict[str, Any] = {
         "vocab": sorted(tokenizer.get_vocab().items()),
         "special_tokens": sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items()),
         "all_special_tokens": sorted(str(t) for t in tokenizer.all_special_tokens),

@@ -449,7 +449,7 @@ def chat_format(
     tools_file: str | None = None,
     turns: str = "all",
     expand_turns: bool = False,
-) -> ChatFormat | None:
+) -> ChatFormat | MistralCommonFormat | None:
     """The chat format of a run: ``--chat-template`` or the tokenizer's template; None when there is none.
 
     Raises:

@@ -116,7 +116,7 @@ def demo_data_path(form: str = "sharegpt") -> str:
 
 
 def _training_texts() -> list[str]:
-    texts = []
+    texts: list[str] = []
     with open(demo_data_path("sharegpt"), encoding="utf-8") as f:
         for line in f:
             if line.strip():

@@ -50,8 +50,24 @@ def add_gpu_memory_utilization_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
+class EngineSettings(Protocol):
+    """The settings an engine reads from a run's :class:`speccache.precompute.run.PrecomputeConfig` (the flags of
+    ``speccache precompute`` of the same names)."""
+
+    model: str
+    model_dtype: str
+    device: str | None
+    prefill_chunk: int | None
+    shard_target: str
+    tp_size: int | None
+    tensor_parallel_size: int
+    enable_expert_parallel: bool
+    gpu_memory_utilization: float | None
+    threads: int | None
+
+
 class Engine(Protocol):
-    """One run's engine. ``cfg`` is a :class:`speccache.precompute.run.PrecomputeConfig`.
+    """One run's engine. ``cfg`` holds the run's :class:`EngineSettings`.
 
     Attributes:
         name: what ``--engine`` calls it (recorded as the manifest's ``config.engine``).
@@ -65,14 +81,14 @@ class Engine(Protocol):
     pads: bool
 
     @classmethod
-    def check_flags(cls, cfg: Any) -> None:
+    def check_flags(cls, cfg: EngineSettings) -> None:
         """Refuse the flags this engine does not take, before anything is read (``UsageError``: the CLI exits 2)."""
 
     @classmethod
-    def check_model(cls, cfg: Any, model_config: Any, world_size: int) -> None:
+    def check_model(cls, cfg: EngineSettings, model_config: Any, world_size: int) -> None:
         """Refuse a target this engine cannot run, from its config alone, before the data is read."""
 
-    def __init__(self, cfg: Any, comm: Comm) -> None:
+    def __init__(self, cfg: EngineSettings, comm: Comm) -> None:
         """Refuse a world this engine cannot run in (it starts nothing)."""
 
     def open(self, request: CaptureRequest, groups: DataParallelGroups, max_tokens: int) -> LoadedTarget:

@@ -29,12 +29,13 @@ import logging
 import os
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from speccache.devices import target_device
+from speccache.engines.base import EngineSettings
 from speccache.errors import UsageError
 from speccache.methods.base import DTYPES, CaptureRequest, LoadedTarget
 from speccache.methods.decoder import decoder_calls, decoder_layers, forward_capturing
@@ -49,6 +50,9 @@ from speccache.write.dist import (
     not_under_torchrun,
     require_group,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = [
     "SHARD_MODES",
@@ -123,7 +127,7 @@ class HfEngine:
     pads = True
 
     @classmethod
-    def check_flags(cls, cfg: Any) -> None:
+    def check_flags(cls, cfg: EngineSettings) -> None:
         """Check ``--shard-target``, ``--tp-size`` and ``--threads``; refuse vLLM's ``--tensor-parallel-size`` and
         ``--enable-expert-parallel``."""
         check_shard_target(cfg.shard_target, cfg.tp_size)
@@ -138,12 +142,12 @@ class HfEngine:
             raise UsageError(f"--threads must be >= 1, got {cfg.threads}")
 
     @classmethod
-    def check_model(cls, cfg: Any, model_config: Any, world_size: int) -> None:
+    def check_model(cls, cfg: EngineSettings, model_config: Any, world_size: int) -> None:
         """Under ``--shard-target tp``: whether transformers can split the architecture over ``--tp-size`` ranks."""
         if cfg.shard_target == "tp":
             check_tp_plan(model_config, cfg.tp_size or world_size)
 
-    def __init__(self, cfg: Any, comm: Comm) -> None:
+    def __init__(self, cfg: EngineSettings, comm: Comm) -> None:
         check_shard_target(cfg.shard_target, cfg.tp_size, comm.world_size)
         self.cfg, self.comm = cfg, comm
         self.group_size = (cfg.tp_size or comm.world_size) if cfg.shard_target == "tp" else 1
@@ -365,7 +369,7 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torc
 # fsdp
 
 
-def _meta_model(model_path: str, dtype: Any, checkpoint: Checkpoint) -> nn.Module:
+def _meta_model(model_path: str, dtype: Any, checkpoint: Checkpoint) -> PreTrainedModel:
     """The model with every parameter on the meta device and its buffers (rotary tables) real, on the CPU."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -429,7 +433,7 @@ Reader = Callable[[slice | None], torch.Tensor]
 """Reads a parameter from the checkpoint: its rows ``rows`` along dim 0, or all of it for ``None``."""
 
 
-def _from_checkpoint(model: nn.Module, readers: dict[str, Reader]) -> LoadedTarget:
+def _from_checkpoint(model: PreTrainedModel, readers: dict[str, Reader]) -> LoadedTarget:
     """``model`` with embedding readers that read the full matrices from the checkpoint."""
 
     def full(module: nn.Module) -> torch.Tensor:
@@ -440,7 +444,7 @@ def _from_checkpoint(model: nn.Module, readers: dict[str, Reader]) -> LoadedTarg
 
 
 def _parameter_readers(
-    model: nn.Module, checkpoint: Checkpoint, only: Iterable[str] | None = None
+    model: PreTrainedModel, checkpoint: Checkpoint, only: Iterable[str] | None = None
 ) -> dict[str, Reader]:
     """A reader for each of ``model``'s parameters (``only``: for these alone), found before anything is read.
 
@@ -472,7 +476,7 @@ def _parameter_readers(
     return readers
 
 
-def _weight_converters(model: nn.Module) -> list[Any]:
+def _weight_converters(model: PreTrainedModel) -> list[Any]:
     """transformers' conversions of checkpoint tensors into ``model``'s parameters (one target each)."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from speccache.engines.base import EngineSettings
 from speccache.engines.hf import check_shard_target, load_outer_modules
 from speccache.errors import UsageError
 from speccache.methods.base import CaptureRequest, LoadedTarget
@@ -422,7 +423,7 @@ class VllmPrecomputeEngine:
     pads = False  # continuous batching: each request computes its own tokens only
 
     @classmethod
-    def check_flags(cls, cfg: Any) -> None:
+    def check_flags(cls, cfg: EngineSettings) -> None:
         """Refuse the hf engine's ``--shard-target`` (vLLM parallelises the target itself) and ``--threads``;
         check ``--tensor-parallel-size`` and ``--enable-expert-parallel``."""
         check_shard_target(cfg.shard_target, cfg.tp_size)
@@ -445,11 +446,11 @@ class VllmPrecomputeEngine:
             )
 
     @classmethod
-    def check_model(cls, cfg: Any, model_config: Any, world_size: int) -> None:
+    def check_model(cls, cfg: EngineSettings, model_config: Any, world_size: int) -> None:
         """:func:`check_vllm_target`."""
         check_vllm_target(model_config)
 
-    def __init__(self, cfg: Any, comm: Comm) -> None:
+    def __init__(self, cfg: EngineSettings, comm: Comm) -> None:
         self.cfg, self.world_size = cfg, comm.world_size
         self.environment: dict[str, str | None] | None = None
         self.engine_args: dict[str, Any] = {}

@@ -279,6 +279,7 @@ class Manifest:
             for r in side.values()
         ):
             raise CacheFormatError(f"{where}: 'side_files' must map file names to {{'bytes': int, 'xxh3_128': str}}")
+        producer = body.get("producer")
         reclaimed = body.get("reclaimed", [])
         if not isinstance(reclaimed, list) or not all(type(i) is int and i in shards for i in reclaimed):
             raise CacheFormatError(f"{where}: 'reclaimed' must list indices of the shard table")
@@ -297,7 +298,7 @@ class Manifest:
             stats=stats,
             num_tokens=_optional_count(body.get("num_tokens")),
             total_bytes=_optional_count(body.get("total_bytes")),
-            producer=body.get("producer") if isinstance(body.get("producer"), dict) else {},
+            producer=producer if isinstance(producer, dict) else {},
             reclaimed=tuple(reclaimed),
             format_version=version,
             path=where,

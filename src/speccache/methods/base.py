@@ -211,8 +211,24 @@ class MethodTarget(Protocol):
         """A padded token batch in, ragged cache rows (and ``__lengths__``) out, on the CPU."""
 
 
+class MethodSettings(Protocol):
+    """The settings a method reads from a run's :class:`speccache.precompute.run.PrecomputeConfig` (the flags of
+    ``speccache precompute`` of the same names)."""
+
+    model: str
+    method: str
+    aux_layers: list[int] | None
+    layers: list[int] | None
+    last_hidden: bool
+    last_prenorm: bool
+    draft_vocab_size: int | None
+    draft_vocab_from: str | None
+    supervision: str
+    encodings: dict[str, str]
+
+
 class Method(Protocol):
-    """A speculative method's part in ``precompute``. ``cfg`` is a :class:`speccache.precompute.run.PrecomputeConfig`.
+    """A speculative method's part in ``precompute``. ``cfg`` holds the run's :class:`MethodSettings`.
 
     Attributes:
         cache_name: the manifest's ``cache_name`` (what its readers open).
@@ -224,10 +240,10 @@ class Method(Protocol):
     side_file: str
     presets: Mapping[str, str]
 
-    def check_flags(self, cfg: Any) -> None:
+    def check_flags(self, cfg: MethodSettings) -> None:
         """Refuse, before anything is read, the flags this method does not take (``UsageError``: the CLI exits 2)."""
 
-    def plan(self, cfg: Any, model_config: Any, dtype: torch.dtype) -> MethodPlan:
+    def plan(self, cfg: MethodSettings, model_config: Any, dtype: torch.dtype) -> MethodPlan:
         """Decide the schema (float features stored as ``dtype``), the manifest fields and the capture request
         from the settings and the model config (``ValueError`` for bad settings)."""
 

@@ -59,6 +59,7 @@ from speccache.methods.base import (
     CaptureRequest,
     LoadedTarget,
     MethodPlan,
+    MethodSettings,
     PrePass,
     model_config_hash,
     read_side_file,
@@ -424,7 +425,7 @@ def stored_selection(cache_dir: str) -> torch.Tensor:
         side.close()
 
 
-def borrowed_draft_vocab(cfg: Any, model_config: Any, vocab_size: int) -> torch.Tensor:
+def borrowed_draft_vocab(cfg: MethodSettings, model_config: Any, vocab_size: int) -> torch.Tensor:
     """``--draft-vocab-from``'s draft vocabulary (its side file's ``selected_token_ids``), from a cache (or view)
     of this run's target.
 
@@ -433,6 +434,7 @@ def borrowed_draft_vocab(cfg: Any, model_config: Any, vocab_size: int) -> torch.
         CacheFormatError: not an EAGLE-3 cache.
         ConfigMismatchError: a cache of another target (model config or vocabulary size).
     """
+    assert cfg.draft_vocab_from is not None  # plan calls it only when the flag is set
     source = open_source(cfg.draft_vocab_from, CACHE_NAME)
     theirs = (source.config.get("model_config_hash"), source.config.get("vocab_size"))
     ours = (model_config_hash(model_config), vocab_size)
@@ -472,7 +474,7 @@ class Eagle3Method:
         "eagle3": "EAGLE-3: three aux layers (--aux-layers) and --supervision over --draft-vocab-size tokens"
     }
 
-    def check_flags(self, cfg: Any) -> None:
+    def check_flags(self, cfg: MethodSettings) -> None:
         """``--supervision`` must parse; the layer methods' flags are refused."""
         Supervision.parse(cfg.supervision)
         if cfg.layers is not None or cfg.last_hidden or cfg.last_prenorm:
@@ -481,7 +483,7 @@ class Eagle3Method:
                 "--method eagle3 takes --aux-layers"
             )
 
-    def plan(self, cfg: Any, model_config: Any, dtype: torch.dtype) -> MethodPlan:
+    def plan(self, cfg: MethodSettings, model_config: Any, dtype: torch.dtype) -> MethodPlan:
         """The aux layers (default :func:`default_aux_layers`), the draft vocabulary size and the schema.
 
         Raises:
@@ -492,7 +494,8 @@ class Eagle3Method:
         aux = check_aux_layers(
             cfg.aux_layers if cfg.aux_layers is not None else default_aux_layers(num_layers), num_layers
         )
-        borrowed = None if cfg.draft_vocab_from is None else borrowed_draft_vocab(cfg, model_config, vocab)
+        borrow_from = cfg.draft_vocab_from
+        borrowed = None if borrow_from is None else borrowed_draft_vocab(cfg, model_config, vocab)
         draft = cfg.draft_vocab_size if cfg.draft_vocab_size is not None else vocab
         if borrowed is not None:
             if cfg.draft_vocab_size is not None and cfg.draft_vocab_size != borrowed.numel():
@@ -507,9 +510,9 @@ class Eagle3Method:
         if supervision.mode == "topk" and supervision.k > draft:
             raise UsageError(f"--supervision topk:{supervision.k} asks for more than the {draft} draft tokens")
         config: dict[str, Any] = {"aux_layers": aux, "supervision": str(supervision), "draft_vocab_size": draft}
-        if borrowed is not None:  # recorded only when set: a resume compares the source and its vocabulary
+        if borrow_from is not None and borrowed is not None:  # recorded only when set: a resume compares them
             config["draft_vocab_from"] = {
-                "cache": os.path.abspath(cfg.draft_vocab_from),
+                "cache": os.path.abspath(borrow_from),
                 "selected_token_ids_xxh3_128": tensor_checksum(borrowed),
             }
         tied = ties_embeddings(model_config)
@@ -716,6 +719,10 @@ class TargetHead(nn.Module):
         lm_head_rows: ``[Vd, H]`` LM-head rows of the draft vocabulary.
         selected_token_ids: ``[Vd]`` their target ids.
     """
+
+    # buffers (register_buffer), which nn.Module's attribute lookup types as Tensor | Module
+    weight: torch.Tensor
+    selected_token_ids: torch.Tensor
 
     def __init__(self, lm_head_rows: torch.Tensor, selected_token_ids: torch.Tensor) -> None:
         super().__init__()

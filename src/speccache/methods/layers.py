@@ -39,7 +39,7 @@ present, when it does not.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,7 @@ from speccache.methods.base import (
     CaptureRequest,
     LoadedTarget,
     MethodPlan,
+    MethodSettings,
     PrePass,
     stores_head,
     text_config,
@@ -314,7 +315,7 @@ class LayersTarget:
     def forward_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """Padded features ``[B, T, H]`` of one batch, in the model's dtype, keyed as stored."""
         embed = next((f.key for f in self.features if f.norm == "embed"), None)
-        outputs = {f.key: f.layer for f in self.features if f.norm == "pre"}
+        outputs: dict[Hashable, int] = {f.key: f.layer for f in self.features if f.norm == "pre"}
         last, captured = self.capture(input_ids, attention_mask, outputs, embed)
         captured[LAST_HIDDEN] = last
         return {f.key: captured[f.key] for f in self.features}
@@ -359,9 +360,9 @@ class LayersMethod:
 
     cache_name = CACHE_NAME
     side_file = SIDE_FILE
-    presets = PRESETS
+    presets: Mapping[str, str] = PRESETS
 
-    def check_flags(self, cfg: Any) -> None:
+    def check_flags(self, cfg: MethodSettings) -> None:
         """EAGLE-3's ``--supervision`` (other than hidden), ``--aux-layers``, ``--draft-vocab-size`` and
         ``--draft-vocab-from`` are refused."""
         if Supervision.parse(cfg.supervision).mode != "hidden":
@@ -375,7 +376,7 @@ class LayersMethod:
                 f"{cfg.method} takes --layers (the EAGLE-3 reader of a layers cache picks its aux layers from them)"
             )
 
-    def plan(self, cfg: Any, model_config: Any, dtype: torch.dtype) -> MethodPlan:
+    def plan(self, cfg: MethodSettings, model_config: Any, dtype: torch.dtype) -> MethodPlan:
         """The preset's selection (:func:`preset_selection`) and its schema.
 
         Raises:
@@ -512,14 +513,14 @@ def dspark_dataset(cache_dir: str, layers: Sequence[int] | None = None, **kwargs
     """DSpark samples: ``input_ids``, ``loss_mask``, ``target_hidden_states`` (layers concatenated in order) and
     ``target_last_hidden_states``. ``layers`` defaults to DSpark's default ids for this target."""
     ids = list(layers) if layers is not None else dspark_layer_ids(int(_config(cache_dir)["num_layers"]))
-    fields = {"target_hidden_states": ids, "target_last_hidden_states": ["last"]}
+    fields: dict[str, Sequence[int | str]] = {"target_hidden_states": ids, "target_last_hidden_states": ["last"]}
     return LayerFeatureDataset(cache_dir, fields, **kwargs)
 
 
 def dflash_dataset(cache_dir: str, layers: Sequence[int] | None = None, **kwargs: Any) -> LayerFeatureDataset:
     """DFlash samples: as :func:`dspark_dataset`, ``layers`` defaulting to DFlash's ids for this target."""
     ids = list(layers) if layers is not None else dflash_layer_ids(int(_config(cache_dir)["num_layers"]))
-    fields = {"target_hidden_states": ids, "target_last_hidden_states": ["last"]}
+    fields: dict[str, Sequence[int | str]] = {"target_hidden_states": ids, "target_last_hidden_states": ["last"]}
     return LayerFeatureDataset(cache_dir, fields, **kwargs)
 
 
@@ -533,7 +534,7 @@ def eagle3_dataset(cache_dir: str, aux_layers: Sequence[int] | None = None, **kw
     ``aux_hidden_states`` (three decoder outputs before the final norm, low/mid/high) and ``last_hidden_state``,
     as :class:`speccache.methods.eagle3.Eagle3CacheDataset` reads them from an EAGLE-3 cache."""
     ids = list(aux_layers) if aux_layers is not None else default_aux_layers(int(_config(cache_dir)["num_layers"]))
-    fields = {"aux_hidden_states": ids, LAST_HIDDEN: ["last"]}
+    fields: dict[str, Sequence[int | str]] = {"aux_hidden_states": ids, LAST_HIDDEN: ["last"]}
     return LayerFeatureDataset(cache_dir, fields, prenorm=True, **kwargs)
 
 

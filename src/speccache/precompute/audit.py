@@ -345,10 +345,10 @@ def audit_cache(
             members = list(batch_span(local, batch_size, manifests[source].num_samples))
         batches.setdefault((source, tuple(members)), []).append((index, local))
     nonfinite_parameters: list[str] | None = None  # searched once, when a live forward is first not finite
-    for (source, span), members in batches.items():
+    for (source, span), asked in batches.items():
         stored = [datasets[source][i] for i in span]
         live = compute_batch(pad_tokens([_forward_input(s) for s in stored], batch_pad_id(tokenizer)))
-        for index, local in members:
+        for index, local in asked:
             sample = stored[span.index(local)]
             if not sample["loss_mask"].any():
                 report.cleared.append(index)

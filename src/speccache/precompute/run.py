@@ -16,7 +16,7 @@ import logging
 import os
 import shlex
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -685,7 +685,7 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
         compute = target.compute_batch
         if SAMPLE_TURN_KEY in plan.schema:
 
-            def compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            def compute(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 return {**target.compute_batch(batch), SAMPLE_TURN_KEY: batch[SAMPLE_TURN_KEY]}
 
         pad_id = batch_pad_id(plan.tokenizer)
@@ -723,7 +723,7 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
             skipped = extension.skipped_before + skipped
         # skipped_rows.jsonl is written only when a row was skipped, so a clean dataset's cache has no empty file.
         skipped_file = SideFile(SKIPPED_ROWS_FILE, content=lambda: skipped, rewritten_on_append=True)
-        side_files = (side_file, skipped_file) if skipped else (side_file,)
+        side_files: tuple[SideFile, ...] = (side_file, skipped_file) if skipped else (side_file,)
         dropped = plan.stats.dropped_rows_jsonl(plan.manifest_config["data"])
         if extension is not None:
             dropped = extension.dropped_before + dropped

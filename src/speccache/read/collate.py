@@ -159,9 +159,11 @@ class _Collator:
                 if info is None:
                     batch[key] = _stack([s[key] for s in samples], pin, self._pool)
                 else:
+                    assert rows is not None  # readable_layout finds a layout only in a batch read from shards
                     batch[key] = out = batch_tensor((len(samples), *info.shape), info.dtype, pin, self._pool)
                     read_into(out, rows, key, info, [i * info.row_bytes for i in range(len(samples))])
             elif info is not None:
+                assert rows is not None
                 lengths = counts = counts or rows.counts()
                 batch[key] = self._ragged_from_files(rows, key, info, counts, pin)
             else:

@@ -519,7 +519,7 @@ class _ReadAhead:
         if run:
             self._queued += run[2]
             self._pending.update(dict.fromkeys(run[3], self._queued))
-            self._queue.append(tuple(run))  # type: ignore[arg-type]
+            self._queue.append(tuple(run))
 
     def wait(self, source: _OpenShard, offset: int) -> None:
         """Return once the range of ``source`` at ``offset`` is read, or at once if it is not queued or the
@@ -954,9 +954,9 @@ class CacheDataset(Dataset):
             and idx.dtype.kind in "iu"
             and (not idx.size or 0 <= idx.min() <= idx.max() < self.num_samples)
         ):
-            of, local = np.divmod(idx, self.shard_size)
+            of, within = np.divmod(idx, self.shard_size)
             shards, first = np.unique(of, return_index=True)
-            return {shard: local[of == shard].tolist() for shard in shards[np.argsort(first)].tolist()}
+            return {shard: within[of == shard].tolist() for shard in shards[np.argsort(first)].tolist()}
         by_shard: dict[int, list[int]] = {}
         for index in items:
             shard, local = self._split(index)
@@ -1124,9 +1124,9 @@ def batch_rows(samples: Sequence[Mapping[str, torch.Tensor]]) -> BatchRows | Non
 def readable_layout(samples: Sequence[Any], rows: BatchRows | None, key: str, ragged: bool) -> KeyLayout | None:
     """``key``'s layout when every sample holds it as read from its shard, ``ragged`` as the collator treats it."""
     info = rows.infos.get(key) if rows is not None else None
-    if info is None or info.ragged != ragged:
+    if rows is None or info is None or info.ragged != ragged:
         return None
-    return info if rows.untouched or all(s._as_read(key) for s in samples) else None  # type: ignore[union-attr]
+    return info if rows.untouched or all(s._as_read(key) for s in samples) else None
 
 
 def read_into(out: torch.Tensor, rows: BatchRows, key: str, info: KeyLayout, dst: Sequence[int]) -> None:
@@ -1149,6 +1149,7 @@ def read_into(out: torch.Tensor, rows: BatchRows, key: str, info: KeyLayout, dst
         if end - start >= _PREAD_BYTES:
             large.append((source, base + start, end - start, d))
         elif end > start:  # an empty sample or zero-width rows copy nothing (and an empty view is read-only)
+            assert mapped is not None  # a key with a base offset is stored raw, so it is mapped
             mv[d : d + end - start] = mapped[start:end]
     if large:
         _read_large(mv, large)

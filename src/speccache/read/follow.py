@@ -91,13 +91,13 @@ class Follow:
             raise UsageError("reclaim_to moves reclaimed shards: it needs reclaim=True")
         if (self.rank is None) != (self.world_size is None):
             raise UsageError("pass both rank and world_size, or neither")
-        if self.world_size is not None and not 0 <= self.rank < self.world_size:  # type: ignore[operator]
+        if self.rank is not None and self.world_size is not None and not 0 <= self.rank < self.world_size:
             raise UsageError(f"rank {self.rank} is outside [0, world_size={self.world_size})")
 
     def position(self) -> tuple[int, int]:
         """``(rank, world_size)``: the given ones, the initialised process group's, or ``(0, 1)``."""
-        if self.world_size is not None:
-            return self.rank, self.world_size  # type: ignore[return-value]
+        if self.rank is not None and self.world_size is not None:  # both or neither (__post_init__)
+            return self.rank, self.world_size
         import torch.distributed as dist
 
         return distributed_position() if dist.is_available() and dist.is_initialized() else (0, 1)
@@ -486,7 +486,9 @@ def follow_settings(follow: Follow | bool, *, shuffle: bool, seed: int, distribu
     if distributed:
         rank, world_size = distributed_position()
     else:
-        rank, world_size = (base.rank, base.world_size) if base.world_size is not None else (0, 1)
+        rank, world_size = (
+            (base.rank, base.world_size) if base.rank is not None and base.world_size is not None else (0, 1)
+        )
     return replace(base, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size)
 
 

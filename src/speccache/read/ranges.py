@@ -98,6 +98,7 @@ class SequenceParallelDataset(Dataset):
                     "(torchrun + torch.distributed.init_process_group), or pass rank= and world_size="
                 )
             rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        assert world_size is not None  # both or neither, checked above
         sequence_parallel_rows(0, rank, world_size)  # checks the rank
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
         ragged = set(dataset.ragged_keys)

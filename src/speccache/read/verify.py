@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,7 +57,7 @@ class VerifyReport:
         }
 
 
-def verify_cache(cache_dir: str, progress: Iterable[int] | None = None) -> VerifyReport:
+def verify_cache(cache_dir: str, progress: Callable[[Iterable[int]], Iterable[int]] | None = None) -> VerifyReport:
     """Check every file of a cache: manifest, shard set, each shard's header, counts, shapes and checksums.
 
     Args:
@@ -116,9 +116,10 @@ def verify_cache(cache_dir: str, progress: Iterable[int] | None = None) -> Verif
                 shard_path(cache_dir, index), manifest.schema, index, manifest.shard_samples(index), verify=True
             )
             try:
-                found = {
+                shard_tokens = shard.num_rows if manifest.ragged else 0
+                found: dict[str, int | str] = {
                     "samples": shard.num_samples,
-                    "tokens": shard.num_rows if manifest.ragged else 0,
+                    "tokens": shard_tokens,
                     "bytes": shard.file.size,
                 }
             finally:
@@ -127,14 +128,14 @@ def verify_cache(cache_dir: str, progress: Iterable[int] | None = None) -> Verif
         except (SpeccacheError, OSError) as exc:
             report.problems.append(Problem(name, str(exc)))
             continue
-        tokens += found["tokens"]
-        record = manifest.shards.get(index)
-        if record is not None:
+        tokens += shard_tokens
+        table_row = manifest.shards.get(index)
+        if table_row is not None:
             recorded = {
-                "samples": record.samples,
-                "tokens": record.tokens,
-                "bytes": record.bytes,
-                "xxh3_128": record.checksum,
+                "samples": table_row.samples,
+                "tokens": table_row.tokens,
+                "bytes": table_row.bytes,
+                "xxh3_128": table_row.checksum,
             }
             for key, value in found.items():
                 if recorded[key] != value:
@@ -147,7 +148,7 @@ def verify_cache(cache_dir: str, progress: Iterable[int] | None = None) -> Verif
         report.problems.append(
             Problem(MANIFEST_NAME, f"num_tokens says {manifest.num_tokens} but the shards hold {tokens}")
         )
-    for side, record in manifest.side_files.items():
+    for side, side_record in manifest.side_files.items():
         path = os.path.join(cache_dir, side)
         try:
             checksum = file_checksum(path)
@@ -157,7 +158,7 @@ def verify_cache(cache_dir: str, progress: Iterable[int] | None = None) -> Verif
         except OSError as exc:
             report.problems.append(Problem(side, f"cannot read side file: {exc}"))
             continue
-        if checksum != record.checksum:
+        if checksum != side_record.checksum:
             report.problems.append(Problem(side, "side file does not match its checksum in the manifest"))
     return report
 

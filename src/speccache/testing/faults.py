@@ -109,14 +109,14 @@ def install(spec: str) -> Callable[[], None]:
             _torn(path, write_fn)
         return real_view_write(path, write_fn)
 
-    manifest.atomic_write = manifest_write  # type: ignore[assignment]
-    safetensors_file.atomic_write = file_write  # type: ignore[assignment]
-    view.atomic_write = view_write  # type: ignore[assignment]
+    manifest.atomic_write = manifest_write
+    safetensors_file.atomic_write = file_write
+    view.atomic_write = view_write
 
     def disarm() -> None:
-        manifest.atomic_write = real_manifest_write  # type: ignore[assignment]
-        safetensors_file.atomic_write = real_file_write  # type: ignore[assignment]
-        view.atomic_write = real_view_write  # type: ignore[assignment]
+        manifest.atomic_write = real_manifest_write
+        safetensors_file.atomic_write = real_file_write
+        view.atomic_write = real_view_write
 
     return disarm
 

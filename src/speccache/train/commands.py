@@ -129,6 +129,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
+        assert chart is not None  # set whenever --json is
         drawn = acceptance_chart(report, chart)
         print(f"report: {args.json}; " + (f"acceptance chart: {chart}" if drawn else not_drawn(chart)))
     spec_ok = all(r["identical_to_greedy"] for r in report.get("speculative", {}).values() if isinstance(r, dict))

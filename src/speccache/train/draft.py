@@ -146,6 +146,10 @@ class Eagle3Draft(nn.Module):
         t2d: ``[V]`` bool, whether a target id is in the draft vocabulary.
     """
 
+    # buffers (register_buffer), which nn.Module's attribute lookup types as Tensor | Module
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
     def __init__(
         self,
         config: DraftConfig,

@@ -21,13 +21,16 @@ from __future__ import annotations
 import time
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from speccache.methods.decoder import cache_argument, decoder_layers
 from speccache.methods.eagle3 import Eagle3CacheDataset, TargetHead, build_eagle3_dataloader, draft_view
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 from speccache.train.draft import Eagle3Draft
 
 __all__ = [
@@ -166,7 +169,7 @@ class DraftProposer:
 class TargetRunner:
     """The HF target with a KV cache, returning its logits and the concatenated aux-layer outputs of new tokens."""
 
-    def __init__(self, model: nn.Module, aux_layers: Sequence[int]) -> None:
+    def __init__(self, model: PreTrainedModel, aux_layers: Sequence[int]) -> None:
         self.model = model.eval()
         self.layers = decoder_layers(model)
         self.aux_layers = list(aux_layers)
@@ -382,7 +385,7 @@ def speculative(
     return runs
 
 
-def eos_ids(model: nn.Module) -> list[int]:
+def eos_ids(model: PreTrainedModel) -> list[int]:
     """The token ids that end a generation: the generation config's eos ids, else the config's."""
     eos = getattr(model.generation_config, "eos_token_id", None)
     if eos is None:

@@ -24,7 +24,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import Sampler
@@ -41,6 +41,7 @@ from speccache.methods.eagle3 import (
     draft_view,
     read_side_file,
 )
+from speccache.read import LocalityShuffleSampler
 from speccache.read.follow import Follow
 from speccache.read.source import open_source, reader_sampler
 from speccache.train.draft import LOSS_CURVE, TRAIN_LOG, DraftConfig, Eagle3Draft, check_new_draft_dir, save_draft
@@ -67,6 +68,16 @@ def _shape(hidden: int) -> tuple[int, int]:
     return hidden // head_dim, head_dim
 
 
+class EpochSampler(Protocol):
+    """A sampler whose order is set per epoch (what :class:`LengthGroupedSampler` groups)."""
+
+    def __iter__(self) -> Iterator[int]: ...
+
+    def __len__(self) -> int: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+
 class LengthGroupedSampler(Sampler[int]):
     """The reader's shuffled epoch (shard-local windows, a view's ``--weights``) in runs of ``batch_size`` samples
     of similar length.
@@ -76,7 +87,7 @@ class LengthGroupedSampler(Sampler[int]):
     lengths a plain shuffle pads most batches to nearly twice their tokens.
     """
 
-    def __init__(self, base: Sampler[int], lengths: list[int], batch_size: int, seed: int = 0, window: int = 32):
+    def __init__(self, base: EpochSampler, lengths: list[int], batch_size: int, seed: int = 0, window: int = 32):
         self.base, self.lengths, self.batch_size, self.seed, self.window = base, lengths, batch_size, seed, window
         self.epoch = 0
 
@@ -316,6 +327,7 @@ def train(
     else:
         dataset = Eagle3CacheDataset(cache_dir, keys=["input_ids"])
         base = reader_sampler(dataset, shuffle=True, distributed=False, seed=seed)
+        assert isinstance(base, LocalityShuffleSampler)  # what a shuffled reader_sampler is
         sampler = LengthGroupedSampler(base, dataset.sample_lengths(), batch_size, seed)
         loader = build_eagle3_dataloader(
             cache_dir, batch_size=batch_size, shuffle=False, sampler=sampler, verify=verify
@@ -345,7 +357,7 @@ def train(
     with open(log_path, "w", encoding="utf-8") as log_file:
         for epoch in range(epochs):
             if follow is None:
-                loader.sampler.set_epoch(epoch)
+                sampler.set_epoch(epoch)
             left = total - len(losses)
             if left <= 0:
                 break
