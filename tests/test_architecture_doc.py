@@ -2,8 +2,8 @@
 
 What the doc names, in backticks: dotted names (``speccache.read.follow``, ``speccache.methods.finite.guard_nonfinite``:
 the longest prefix that is a module must exist, and the next part must be a name that module binds), and paths
-(``src/...``, ``tests/...``, ``benchmarks/...``, ``docs/...``, or relative to ``src/speccache``: ``format/names.py``,
-``engines/``, ``cli.py``). Its Markdown links to other files must exist too. Every module under ``src/speccache``
+(``src/...``, ``tests/...``, ``benchmarks/...``, ``docs/...``, ``tools/...``, or relative to ``src/speccache``:
+``format/names.py``, ``engines/``, ``cli.py``). Its Markdown links to other files must exist too. Every module under ``src/speccache``
 (not ``_private`` ones or ``__init__``) must be named at least once, so a new module needs a line in the doc.
 The names "Where each rule lives" gives a module must be defined there, and "Modules over 600 lines" must list
 exactly the modules over 600 lines.
@@ -20,7 +20,7 @@ SRC = ROOT / "src"
 PACKAGE = SRC / "speccache"
 DOC = ROOT / "docs" / "architecture.md"
 
-REPO_DIRS = ("src/", "tests/", "benchmarks/", "docs/")
+REPO_DIRS = ("src/", "tests/", "benchmarks/", "docs/", "tools/")
 """A path in backticks starting with one of these is relative to the repository; any other, to ``src/speccache``."""
 
 _SPAN = re.compile(r"`([^`\n]+)`")
