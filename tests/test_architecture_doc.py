@@ -3,8 +3,9 @@
 What the doc names, in backticks: dotted names (``speccache.read.follow``, ``speccache.methods.finite.guard_nonfinite``:
 the longest prefix that is a module must exist, and the next part must be a name that module binds), and paths
 (``src/...``, ``tests/...``, ``benchmarks/...``, ``docs/...``, ``tools/...``, or relative to ``src/speccache``:
-``format/names.py``, ``engines/``, ``cli.py``). Its Markdown links to other files must exist too. Every module under ``src/speccache``
-(not ``_private`` ones or ``__init__``) must be named at least once, so a new module needs a line in the doc.
+``format/names.py``, ``engines/``, ``cli.py``). Its Markdown links to other files must exist too. Every module
+under ``src/speccache`` (not ``_private`` ones or ``__init__``) must be named at least once, so a new module needs
+a line in the doc.
 The names "Where each rule lives" gives a module must be defined there, and "Modules over 600 lines" must list
 exactly the modules over 600 lines.
 """
