@@ -817,9 +817,11 @@ class CacheDataset(Dataset):
                 del self._open[gone]
         opened = self._wrap(shard)
         if verify and not self.follow:
-            # A shard reopened before its check ran (evicted by the LRU) keeps that check: hashed once.
+            # A shard reopened before its check ran (evicted by the LRU) keeps that check: hashed once. The
+            # checker thread may have passed it since ``verify`` was decided: ``_passed`` marks it verified before
+            # dropping the check, so a check not found here is either one never made or one already passed.
             opened.check = self._checks.get(index)
-            if opened.check is None:
+            if opened.check is None and index not in self._verified:
                 parts = expected_parts(self.schema) - {OFFSETS_KEY}
                 check = _DataCheck(shard.file, parts, functools.partial(self._passed, index))
                 opened.check = self._checks[index] = check
