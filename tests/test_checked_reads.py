@@ -124,13 +124,19 @@ def test_dataloader_workers_check_for_themselves(runs, tmp_path):
         list(loader)
 
 
-def test_each_shard_is_hashed_once_per_process(runs, monkeypatch):
-    cache = runs("eagle3")
-    hashed: list[str] = []
+@pytest.fixture
+def hashed(monkeypatch) -> list[str]:
+    """The shard paths this process hashes from now on, in order (``_DataCheck._hash`` recorded)."""
+    paths: list[str] = []
     real = dataset_module._DataCheck._hash
     monkeypatch.setattr(
-        dataset_module._DataCheck, "_hash", lambda self, source: (hashed.append(source.path), real(self, source))[1]
+        dataset_module._DataCheck, "_hash", lambda self, source: (paths.append(source.path), real(self, source))[1]
     )
+    return paths
+
+
+def test_each_shard_is_hashed_once_per_process(runs, hashed):
+    cache = runs("eagle3")
     # one shard open at a time: every shard is reopened in every epoch, and opened ahead by the prefetch
     loader = build_eagle3_dataloader(cache, batch_size=2, shuffle=True, max_open_shards=1)
     for epoch in range(3):
@@ -172,13 +178,8 @@ def test_export_stops_on_a_damaged_tensor(runs, tmp_path, capsys, to, run, extra
     assert main(["export", "--no-verify", "--to", to, *extra, copy, str(tmp_path / "unchecked")]) == 0
 
 
-def test_a_loaders_main_process_hashes_nothing_for_its_workers(runs, monkeypatch):
+def test_a_loaders_main_process_hashes_nothing_for_its_workers(runs, hashed):
     cache = runs("eagle3")
-    hashed: list[str] = []
-    real = dataset_module._DataCheck._hash
-    monkeypatch.setattr(
-        dataset_module._DataCheck, "_hash", lambda self, source: (hashed.append(source.path), real(self, source))[1]
-    )
     # the sampler's prefetch runs in this process and opens every shard; the (forked) worker reads and checks them
     loader = build_eagle3_dataloader(cache, batch_size=2, shuffle=True, num_workers=1)
     assert sum(len(batch["input_ids"]) for batch in loader) == Manifest.read(cache).num_samples
