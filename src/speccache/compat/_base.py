@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -64,6 +64,7 @@ class PeerExport:
 
 
 def torch_save(path: str, obj: Any) -> None:
+    """``torch.save`` ``obj`` to ``path`` atomically: a peer's file is whole or absent."""
     atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
@@ -104,17 +105,18 @@ class PeerImport:
 
 
 def check(ok: bool, reason: str, detail: str) -> None:
+    """Raise :class:`BadFile` (``reason``, ``detail``) unless ``ok``: one check of a peer's file."""
     if not ok:
         raise BadFile(reason, detail)
 
 
-def scan(names: Sequence[str], check: Callable[[int, str], int]) -> tuple[list[Entry], list[dict[str, str]]]:
-    """Check every source file (``check(row, name)`` gives its length or raises :class:`BadFile`)."""
+def scan(names: Sequence[str], length: Callable[[int, str], int]) -> tuple[list[Entry], list[dict[str, str]]]:
+    """Check every source file (``length(row, name)`` gives its length or raises :class:`BadFile`)."""
     entries: list[Entry] = []
     skipped: list[dict[str, str]] = []
     for row, name in enumerate(names):
         try:
-            entries.append(Entry(name, row, check(row, name)))
+            entries.append(Entry(name, row, length(row, name)))
         except BadFile as bad:
             skipped.append({"file": name, "reason": bad.reason, "detail": str(bad)})
     return entries, skipped
@@ -133,6 +135,11 @@ class Target:
 
 
 def load_target(model: str) -> Target:
+    """Load ``--model`` (fp32) for what an import takes from it.
+
+    Raises:
+        FileNotFoundError: nothing loadable at ``model``.
+    """
     from transformers import AutoModelForCausalLM
 
     try:
@@ -145,6 +152,6 @@ def load_target(model: str) -> Target:
         int(text.num_hidden_layers),
         int(text.hidden_size),
         int(text.vocab_size),
-        loaded.get_input_embeddings().weight.detach(),
+        cast(torch.Tensor, loaded.get_input_embeddings().weight).detach(),  # typed as a Module's attribute
         loaded.get_output_embeddings().weight.detach(),
     )

@@ -143,6 +143,7 @@ def _plan(cache_dir: str, to: str, layer_ids: Sequence[int] | None, verify: bool
     source = open_source(cache_dir)  # a cache or a view: a view exports the samples it selects
     config = source.config
     common = {"num_samples": source.num_samples, "shard_size": source.shard_size, "dtype": config["dtype"]}
+    ds: layers.LayerFeatureDataset | eagle3.Eagle3CacheDataset
     if to == "nemo-dspark":
         if source.cache_name != layers.CACHE_NAME:
             raise CacheFormatError(
