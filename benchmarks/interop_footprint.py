@@ -19,7 +19,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from speccache.compat.interop import export_peer
+from speccache.compat.peers import export_peer
 from speccache.demo import demo_data_path, ensure_demo_target
 from speccache.methods.eagle3 import default_aux_layers
 from speccache.precompute.run import PrecomputeConfig, run_precompute

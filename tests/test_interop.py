@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from speccache.cli import main
-from speccache.compat.interop import FILES_PER_DIR, specforge_path
+from speccache.compat.specforge import FILES_PER_DIR, specforge_path
 from speccache.demo import demo_data_path
 from speccache.format import ShardFile
 from speccache.methods.eagle3 import Eagle3CacheDataset

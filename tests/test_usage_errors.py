@@ -45,7 +45,7 @@ def test_a_bad_flag_exits_2_and_a_library_error_1_each_in_one_line(cache, tmp_pa
     assert not (tmp_path / "a").exists()
     # a ValueError that no flag caused (a library's, or a bug's): the command failed, the usage was fine
     patch = (
-        "import speccache.compat.interop as m\n"
+        "import speccache.compat.commands as m\n"
         "def refuse(*args, **kwargs):\n"
         "    raise ValueError('the library refused')\n"
         "m.export_peer = refuse"

@@ -243,7 +243,7 @@ def cmd_subset(args: argparse.Namespace) -> int:
 
 
 def _method_commands() -> list[Callable[[Any], None]]:
-    from speccache.compat.export import register_commands as register_export
+    from speccache.compat.commands import register_commands as register_export
     from speccache.precompute.audit import register_commands as register_audit
     from speccache.precompute.estimate import register_commands as register_estimate
     from speccache.precompute.regenerate import register_commands as register_regenerate

@@ -10,19 +10,19 @@ Each encoding also describes its parts without data (:meth:`Encoding.parts`), so
 the shard checks, size estimates and readers ask it instead of knowing its layout.
 
 ``raw`` stores the rows as they are. ``fp8`` and ``zbf16`` live in their own
-modules and register themselves here.
+modules; this package imports them and registers all three.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from speccache.errors import UsageError
+from speccache.format.encoding._base import Encoding, PartLayout
+from speccache.format.encoding.fp8 import Fp8Encoding
+from speccache.format.encoding.zbf16 import Zbf16Encoding
 
 __all__ = [
     "Encoding",
@@ -34,79 +34,6 @@ __all__ = [
     "ENCODINGS",
     "part_name",
 ]
-
-
-@dataclass(frozen=True)
-class PartLayout:
-    """One part of an encoded key: its dtype and how its shape follows from a shard's counts.
-
-    Attributes:
-        dtype: the part's dtype.
-        trailing: the shape after the first dimension.
-        length: what the first dimension counts: ``"rows"`` (one per row of the key), ``"samples+1"``
-            (offsets, one per sample plus one) or ``"bytes"`` (data-dependent, e.g. compressed bytes).
-    """
-
-    dtype: torch.dtype
-    trailing: tuple[int, ...] = ()
-    length: str = "rows"
-
-    def shape(self, num_rows: int, num_samples: int, data_bytes: int = 0) -> tuple[int, ...]:
-        """The part's shape in a shard of ``num_samples`` samples and ``num_rows`` rows of the key."""
-        first = {"rows": num_rows, "samples+1": num_samples + 1, "bytes": data_bytes}[self.length]
-        return (first, *self.trailing)
-
-    def nbytes(self, num_rows: int, num_samples: int, data_bytes: int = 0) -> int:
-        """The part's size in bytes (see :meth:`shape`)."""
-        return math.prod(self.shape(num_rows, num_samples, data_bytes)) * self.dtype.itemsize
-
-
-class Encoding(Protocol):
-    """How one key's rows are laid out in a shard.
-
-    Attributes:
-        name: the name recorded in the manifest key schema (``"raw"``, ``"fp8"``...).
-        lossless: whether ``decode(encode(x)) == x`` bit for bit.
-        zero_copy: whether the main part holds the rows exactly as readers return them, so that
-            a reader may copy its bytes straight into a batch instead of calling :meth:`decode`.
-    """
-
-    name: str
-    lossless: bool
-    zero_copy: bool
-
-    def parts(self, dtype: torch.dtype, shape: tuple[int, ...]) -> dict[str, PartLayout]:
-        """The parts a key of ``dtype`` and per-row ``shape`` is stored as, by suffix."""
-
-    def check_dtype(self, key: str, dtype: torch.dtype) -> None:
-        """Raise ``ValueError`` naming ``key`` if this encoding cannot store ``dtype``."""
-
-    def encode(self, rows: torch.Tensor, offsets: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Encode one shard's rows.
-
-        Args:
-            rows: ``[num_rows, *shape]``, every sample's rows concatenated.
-            offsets: int64 ``[n + 1]``; sample ``i`` owns ``rows[offsets[i]:offsets[i+1]]``.
-
-        Returns:
-            Parts by suffix (``""`` is the main part), each contiguous.
-        """
-
-    def decode(
-        self, parts: Mapping[str, torch.Tensor], offsets: torch.Tensor, start: int, end: int, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """Return the rows of samples ``[start, end)`` as ``dtype``.
-
-        ``parts`` are views of the whole shard's parts. The result may be a view
-        into them (callers copy before handing data out).
-        """
-
-    def decode_rows(
-        self, parts: Mapping[str, torch.Tensor], offsets: torch.Tensor, sample: int, first: int, last: int,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:  # fmt: skip
-        """Return rows ``[first, last)`` of sample ``sample`` (positions within it) as ``dtype``, touching only the
-        parts' bytes those rows need (as little of them as the encoding allows); may be a view, as :meth:`decode`."""
 
 
 class RawEncoding:
@@ -138,7 +65,8 @@ class RawEncoding:
         return parts[""][base + first : base + last]
 
 
-ENCODINGS: dict[str, Encoding] = {}
+ENCODINGS: dict[str, Encoding] = {e.name: e for e in (RawEncoding(), Fp8Encoding(), Zbf16Encoding())}
+"""Every encoding by its name: the three built in, and any :func:`register_encoding` adds."""
 
 
 def register_encoding(encoding: Encoding) -> Encoding:
@@ -177,8 +105,3 @@ def get_encoding(name: str) -> Encoding:
 def part_name(key: str, suffix: str) -> str:
     """Name of the safetensors tensor that holds part ``suffix`` of ``key``."""
     return key if not suffix else f"{key}.{suffix}"
-
-
-register_encoding(RawEncoding())
-
-from speccache.format.encoding import fp8, zbf16  # noqa: E402, F401 - importing them registers them

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from speccache.errors import UsageError
-from speccache.format.encoding import PartLayout, register_encoding
+from speccache.format.encoding._base import PartLayout
 
 __all__ = ["Fp8Encoding", "fp8_error", "FP8_MAX"]
 
@@ -132,6 +132,3 @@ def fp8_error(original: torch.Tensor, decoded: torch.Tensor) -> dict[str, float]
     amax = torch.where(amax > 0, amax, torch.ones_like(amax))
     row_err = diff.reshape(num_rows, -1).abs().amax(dim=1)
     return {"rel_rms": rel_rms, "max_rel_to_row_amax": float((row_err / amax).max())}
-
-
-register_encoding(Fp8Encoding())

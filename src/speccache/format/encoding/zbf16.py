@@ -37,7 +37,7 @@ import torch
 import zstandard
 
 from speccache.errors import UsageError
-from speccache.format.encoding import PartLayout, register_encoding
+from speccache.format.encoding._base import PartLayout
 
 __all__ = ["Zbf16Encoding", "entropy_bound_bytes", "zbf16_plane_stats"]
 
@@ -201,6 +201,3 @@ def zbf16_plane_stats(rows: torch.Tensor, offsets: torch.Tensor | None = None) -
         "total": float(parts["lo"].numel() + hi_bytes),
         "ratio": bound / hi_bytes,
     }
-
-
-register_encoding(Zbf16Encoding())

@@ -1,4 +1,4 @@
-"""``speccache export``: write a speccache cache in the layouts NeMo AutoModel's DSpark and EAGLE-3 trainers read.
+"""NeMo AutoModel's offline layouts: a speccache cache written as its DSpark and EAGLE-3 trainers read it, and back.
 
 Both layouts are the seed layout (fixed-key shards, every sample padded to the
 sequence length, see docs/format.md §8) written through
@@ -45,7 +45,6 @@ non-empty output directory.
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -55,18 +54,18 @@ import torch
 from safetensors import SafetensorError
 
 from speccache.compat import offline_cache as oc
+from speccache.compat._base import DTYPES, batches, check_export_dir
 from speccache.data import SOURCE_ROW_KEY
-from speccache.errors import CacheExistsError, CacheFormatError, UsageError
+from speccache.errors import CacheFormatError, UsageError
 from speccache.format import LENGTHS_KEY, Manifest, ShardFile, shard_path, validate_contiguous_shards
 from speccache.format.durable import ensure_writable_dir, writes_to
 from speccache.methods import eagle3, layers
-from speccache.methods.base import DTYPES, read_side_file
-from speccache.read.dataset import NO_VERIFY_HELP
+from speccache.methods.base import read_side_file
 from speccache.read.source import open_source
 from speccache.units import human_bytes
 from speccache.write import CacheWriter, SideFile
 
-__all__ = ["TARGETS", "check_export_dir", "export_cache", "import_nemo_eagle3", "register_commands"]
+__all__ = ["TARGETS", "export_cache", "import_nemo_eagle3"]
 
 TARGETS = ("nemo-dspark", "nemo-eagle3")
 DSPARK_KEYS = ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states")
@@ -144,6 +143,7 @@ def _plan(cache_dir: str, to: str, layer_ids: Sequence[int] | None, verify: bool
     source = open_source(cache_dir)  # a cache or a view: a view exports the samples it selects
     config = source.config
     common = {"num_samples": source.num_samples, "shard_size": source.shard_size, "dtype": config["dtype"]}
+    ds: layers.LayerFeatureDataset | eagle3.Eagle3CacheDataset
     if to == "nemo-dspark":
         if source.cache_name != layers.CACHE_NAME:
             raise CacheFormatError(
@@ -218,16 +218,6 @@ def _bytes_per_sample(plan: _Plan) -> int:
     return sum(t.numel() * t.element_size() for t in sample.values())
 
 
-def check_export_dir(out: str) -> None:
-    """Refuse an ``--out`` that holds anything: an export writes a whole layout of its own there.
-
-    Raises:
-        CacheExistsError: ``out`` is not empty.
-    """
-    if os.path.isdir(out) and os.listdir(out):
-        raise CacheExistsError(f"--out {out} is not empty; export into a new or empty directory")
-
-
 def export_cache(
     cache_dir: str,
     out: str,
@@ -272,8 +262,7 @@ def export_cache(
     with writes_to(out, SafetensorError):
         oc.write_manifest(out, {**manifest, "complete": False}, plan.version)
         oc.atomic_write(os.path.join(out, plan.side_name), lambda tmp: save_file(plan.side_tensors, tmp))
-    for index, start in enumerate(range(0, len(ds), ds.shard_size)):
-        samples = [dict(s) for s in ds.__getitems__(list(range(start, min(start + ds.shard_size, len(ds)))))]
+    for index, (_start, samples) in enumerate(batches(ds)):
         tensors = plan.make(samples, length)
         with writes_to(out, SafetensorError):
             oc.write_tensor_shard(out, index, tensors, plan.keys, plan.cache_name)
@@ -393,79 +382,3 @@ def import_nemo_eagle3(src: str, out: str, resume: bool = False) -> Manifest:
             rows = _ragged_rows(open_shard(index), shard_path(src, index), draft == vocab, supervision.mode == "topk")
             run.write_shard(out, index, rows)
     return writer.manifest
-
-
-def cmd_import(args: argparse.Namespace) -> int:
-    """Run ``speccache import``."""
-    from speccache.compat.interop import import_peer
-    from speccache.data import check_model_source
-    from speccache.format.encoding import parse_encodings
-
-    if args.layout == "nemo-eagle3":
-        manifest = import_nemo_eagle3(args.nemo_dir, args.out, resume=args.resume)
-    else:
-        if not args.model:
-            raise UsageError(f"--from {args.layout} needs --model: the target whose features the files hold")
-        check_model_source(args.model)
-        layer_ids = layers.parse_layer_ids(args.layers, "--layers")
-        manifest = import_peer(
-            args.nemo_dir,
-            args.out,
-            args.layout,
-            args.model,
-            layer_ids,
-            parse_encodings(args.encode),
-            args.shard_size,
-            args.resume,
-        )
-    print(f"speccache import: {manifest.num_samples} samples, {manifest.num_tokens} tokens -> {args.out}")
-    return 0
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    """Run ``speccache export``."""
-    from speccache.compat.interop import LAYOUTS, export_peer
-
-    layer_ids = layers.parse_layer_ids(args.layers, "--layers")
-    export = export_peer if args.to in LAYOUTS else export_cache
-    export(args.cache_dir, args.out, args.to, layer_ids, verify=not args.no_verify)
-    return 0
-
-
-def register_commands(sub: Any) -> None:
-    """Add ``export`` to the CLI."""
-    from speccache.compat.interop import IMPORTS, LAYOUTS
-
-    p = sub.add_parser("export", help="write a cache in NeMo AutoModel's, SpecForge's or speculators' layout")
-    p.add_argument("--to", required=True, help=f"layout: {', '.join((*TARGETS, *LAYOUTS))}")
-    p.add_argument(
-        "--layers", default=None, help="layer ids to read from a layers cache (default: DSpark's / EAGLE-3's)"
-    )
-    p.add_argument("--no-verify", action="store_true", help=NO_VERIFY_HELP)
-    p.add_argument("cache_dir")
-    p.add_argument("out")
-    p.set_defaults(
-        func=cmd_export,
-        interrupted=lambda args, command: (
-            f"{args.out} holds a partial export, which export refuses to write "
-            f"over (no --resume): delete it, then export again: {command}"
-        ),
-    )
-    p = sub.add_parser(
-        "import", help="write a NeMo AutoModel EAGLE-3, SpecForge or speculators cache as a speccache cache"
-    )
-    p.add_argument("--from", dest="layout", required=True, choices=["nemo-eagle3", *IMPORTS], help="layout of SRC")
-    p.add_argument("--resume", action="store_true", help="finish an interrupted import")
-    p.add_argument("--model", default=None, help="specforge/speculators: the target model directory")
-    p.add_argument("--layers", default=None, help="aux layer ids (speculators: required; specforge: default EAGLE-3's)")
-    p.add_argument("--encode", default="", help="per-feature encodings, e.g. aux_hidden_states=fp8")
-    p.add_argument("--shard-size", type=int, default=256, help="samples per shard (specforge/speculators)")
-    p.add_argument("nemo_dir", metavar="SRC")
-    p.add_argument("out")
-    p.set_defaults(
-        func=cmd_import,
-        interrupted=lambda args, command: (
-            f"the shards written so far in {args.out} are kept; resume with: "
-            + (command if args.resume else f"{command} --resume")
-        ),
-    )
