@@ -2,11 +2,11 @@
 
 Each job opens a fresh ``CacheDataset`` and reads one shuffled epoch through a DataLoader
 (``LocalityShuffleSampler`` with its prefetch, ``PackCollator``, ``num_workers=0``), as
-``benchmarks/run.py``'s read section does, of large (~2 MB) and small (~32 KB) samples
-(its ``LARGE`` and ``SMALL`` caches, written the same way). The jobs:
+``benchmarks/reads.py`` does, of large (~2 MB) and small (~32 KB) samples
+(``benchmarks/fixtures.py``'s ``LARGE`` and ``SMALL`` caches). The jobs:
 
 * the first epoch, warm (the files read whole just before) and cold (dropped from the
-  page cache just before, as run.py drops them), verified and not: the verified one
+  page cache just before, as reads.py drops them), verified and not: the verified one
   hashes every tensor it reads once, on the read-ahead thread where the sampler
   prefetches;
 * a later epoch of the same process (one epoch read untimed first, by the same dataset,
@@ -16,7 +16,7 @@ Each job opens a fresh ``CacheDataset`` and reads one shuffled epoch through a D
 
 All jobs of a kind run once per round, in a new shuffled order each round, and each
 figure is the median over the rounds of the per-round ratio (verified time / unverified
-time), with the smallest and largest ratio beside it (run.py's ``paired_rounds``).
+time), with the smallest and largest ratio beside it (``benchmarks/harness.py``'s ``paired_rounds``).
 
 The report goes between ``<!-- verify-benchmark:begin -->`` and ``<!-- verify-benchmark:end -->`` of ``--out``.
 
@@ -31,31 +31,26 @@ import datetime
 import functools
 import mmap
 import os
-import platform
 from collections.abc import Callable
 
 import torch
 
-from docsection import replace_section  # benchmarks/, beside this script
-from run import (
-    LARGE,
-    SMALL,
-    Kind,
+from fixtures import LARGE, SMALL, Kind, Pool, epoch, shard_paths, write_native_cache  # benchmarks/, beside this
+from harness import (
     PageCache,
-    Pool,
     Report,
     cooled,
-    epoch,
     load_average,
+    machine_summary,
+    markers,
     paired_rounds,
-    shard_paths,
+    replace_section,
     warmed,
-    write_native_cache,
 )
 from speccache.read import CacheDataset, PackCollator
 from speccache.read.sampler import LocalityShuffleSampler
 
-BEGIN, END = "<!-- verify-benchmark:begin -->", "<!-- verify-benchmark:end -->"
+BEGIN, END = markers("verify")
 COLD_TARGET, WARM_TARGET, LATER_TARGET = 1.10, 1.25, 1.05
 
 
@@ -158,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="the Markdown file to write this section into")
     p.add_argument("--work", default="bench-out")
-    p.add_argument("--scale", type=float, default=0.25, help="cache sizes relative to run.py's (default 0.25)")
+    p.add_argument("--scale", type=float, default=0.25, help="cache sizes relative to reads.py's (default 0.25)")
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
     os.makedirs(args.work, exist_ok=True)
@@ -168,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     report.add("## Checked reads: the default reader against `verify=False` (benchmarks/verify.py)")
     report.add()
     report.add(
-        f"{datetime.date.today().isoformat()}, {platform.machine()}, {os.cpu_count()} CPUs shared with other jobs "
+        f"{datetime.date.today().isoformat()}, {machine_summary()}, shared with other jobs "
         f"(load average before the run: {load_average()}), `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}`, "
         f"`--scale {args.scale} --rounds {args.rounds}`. Each ratio is verified time / unverified time, the median "
         "of the per-round ratios of jobs run in a shuffled order each round; a busy shared machine makes single "
