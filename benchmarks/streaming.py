@@ -253,12 +253,6 @@ def main() -> None:
             "sampled every 2 ms; the bound is the cap plus one shard, of the largest shard's size. Same samples: "
             "the multiset of `sample_id` and the sum of every feature value the trainer read equal the offline "
             "run's.",
-            "",
-            "Following overlaps the two steps, so the end-to-end time nears the slower side's alone instead of "
-            "their sum. A cap bounds the disk to itself plus the shard being written; while the trainer is the "
-            "slower side the producer spends the difference paused at the cap, and a cap of a few shards is as "
-            "fast as none. While the producer is the slower side the trainer's idle time is that difference "
-            "whatever the cap.",
             END,
             "",
         ]

@@ -26,31 +26,16 @@ Usage: OMP_NUM_THREADS=1 python benchmarks/verify.py --out docs/benchmarks.md [-
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import functools
 import mmap
 import os
 from collections.abc import Callable
 
-import torch
-
 from fixtures import LARGE, SMALL, Kind, Pool, epoch, shard_paths, write_native_cache  # benchmarks/, beside this
-from harness import (
-    PageCache,
-    Report,
-    cooled,
-    load_average,
-    machine_summary,
-    markers,
-    paired_rounds,
-    replace_section,
-    warmed,
-)
+from harness import PageCache, Report, bench_args, cooled, paired_rounds, start, verdict, warmed, write_report
 from speccache.read import CacheDataset, PackCollator
 from speccache.read.sampler import LocalityShuffleSampler
 
-BEGIN, END = markers("verify")
 COLD_TARGET, WARM_TARGET, LATER_TARGET = 1.10, 1.25, 1.05
 
 
@@ -110,8 +95,11 @@ def bench(report: Report, work: str, kinds: list[Kind], rounds: int) -> None:
                     f"{times[f'verified {what}']:.3f} s",
                     f"{times[f'unverified {what}']:.3f} s",
                     f"{r:.2f}x ({spread})",
-                    f"<= {target:.2f}x: {'met' if r <= target else 'NOT met'}",
+                    f"<= {target:.2f}x: {verdict(r <= target)}",
                 )
+            )
+            report.target(
+                f"{kind.name} {what} epoch: verified / verify=False <= {target:.2f}x", f"{r:.2f}x", r <= target
             )
         for what in ("first cold", "first warm"):
             r = times.ratio(f"serial {what}", f"unverified {what}")
@@ -126,55 +114,23 @@ def bench(report: Report, work: str, kinds: list[Kind], rounds: int) -> None:
                 )
             )
     report.table(["cache", "epoch", "verified (median)", "verify=False (median)", "ratio (spread)", "target"], rows)
-    report.add(f"Cold reads: the page cache dropped with {cache.method}; at most {cache.residue:.0%} of the files")
-    report.add("was still cached after a drop (`mincore`).")
-    report.add()
-    report.add(NOTES)
-    report.add()
-
-
-NOTES = """\
-What the check costs, and why: the first read of each shard streams the tensors the reader reads once more,
-`pread` through a 1 MiB buffer and xxh3-128, about 14 GB/s from the page cache on this machine (225 MiB in 16
-ms; hashing straight from the mapping was no faster). From disk that pass is the read itself, which leaves the
-shard in the page cache for the batches, so the cold first epoch costs about what an unverified one does. Warm,
-an unverified epoch copies at memory speed too (about 7 GB/s here for large samples), so a serial hash pass adds
-half of it again or more: the 1.25x warm target is reachable only by hashing on
-another core, which this shared machine's two cores seldom have free. The reader hashes the shards its sampler
-announces (`prefetch`) on a thread of its own, while the batches before them are read; the rows "checks at first
-read" are the same reader with that thread switched off, every check run by the shard's first read, in the same
-rounds, so that what the thread buys shows in each run.
-Queuing the checks on the read-ahead thread, behind its page-cache runs, was tried first and measured slower
-than no thread. Later epochs of the same process hash nothing (each shard once per process, which
-tests/test_checked_reads.py pins by counting the hash calls): their ratio is this machine's noise around 1.0x."""
+    report.add(cache.describe())
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=None, help="the Markdown file to write this section into")
-    p.add_argument("--work", default="bench-out")
-    p.add_argument("--scale", type=float, default=0.25, help="cache sizes relative to reads.py's (default 0.25)")
-    p.add_argument("--rounds", type=int, default=5)
-    args = p.parse_args(argv)
-    os.makedirs(args.work, exist_ok=True)
-    torch.set_num_threads(1)
+    args, run = start(bench_args(__doc__, scale=0.25, rounds=5), __file__, argv)
     report = Report()
-    report.add(BEGIN)
     report.add("## Checked reads: the default reader against `verify=False` (benchmarks/verify.py)")
     report.add()
     report.add(
-        f"{datetime.date.today().isoformat()}, {machine_summary()}, shared with other jobs "
-        f"(load average before the run: {load_average()}), `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}`, "
-        f"`--scale {args.scale} --rounds {args.rounds}`. Each ratio is verified time / unverified time, the median "
-        "of the per-round ratios of jobs run in a shuffled order each round; a busy shared machine makes single "
-        "rounds noisy (see the spread)."
+        f"`OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}`. Each ratio is verified time / unverified time, the "
+        "median of the per-round ratios of jobs run in a shuffled order each round; a busy shared machine makes "
+        "single rounds noisy (see the spread)."
     )
     report.add()
     kinds = [LARGE.scaled(args.scale), SMALL.scaled(args.scale)]
     bench(report, args.work, kinds, args.rounds)
-    report.add(END)
-    if args.out:
-        replace_section(args.out, "\n".join(report.lines) + "\n", BEGIN, END)
+    write_report("verify", report, run, args.out)
 
 
 if __name__ == "__main__":
