@@ -114,8 +114,9 @@ class Run:
         """Where and how the section's numbers were measured, in one paragraph."""
         now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         minutes = (time.perf_counter() - self.started) / 60
+        command = " ".join(["python", f"benchmarks/{self.script}", *filter(None, [self.settings])])
         return (
-            f"`python benchmarks/{self.script} {self.settings}` (`make bench`) on {now} in {minutes:.1f} min. "
+            f"`{command}` on {now} in {minutes:.1f} min. "
             f"{'; '.join(machine_description(self.work))}; load average (1/5/15 min) {self.load_start} at the "
             f"start, {load_average()} at the end."
         )
