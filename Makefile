@@ -86,7 +86,12 @@ demo: install
 	OMP_NUM_THREADS=$(DEMO_THREADS) $(PY) -m speccache.demo.run --out $(DEMO_OUT) --threads $(DEMO_THREADS)
 
 bench: install
-	$(PY) benchmarks/run.py --out docs/benchmarks.md
+	$(PY) benchmarks/write.py --out docs/benchmarks.md
+	$(PY) benchmarks/overlap.py --out docs/benchmarks.md
+	$(PY) benchmarks/reads.py --out docs/benchmarks.md
+	$(PY) benchmarks/dropin.py --out docs/benchmarks.md
+	$(PY) benchmarks/startup.py --out docs/benchmarks.md
+	$(PY) benchmarks/nonfinite.py --out docs/benchmarks.md
 	$(PY) benchmarks/data.py --out docs/benchmarks.md
 	$(PY) benchmarks/batching.py --out docs/benchmarks.md
 	OMP_NUM_THREADS=1 $(PY) benchmarks/regenerate.py --out docs/benchmarks.md

@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 
-from docsection import replace_section  # benchmarks/, beside this script
+from harness import replace_section  # benchmarks/, beside this script
 
 BEGIN, END = "<!-- acceptance:begin -->", "<!-- acceptance:end -->"
 # The draft vocabulary: 8,192 of SmolLM2's 49,152 ids cover nearly all generated tokens, and the draft's head and

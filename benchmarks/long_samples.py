@@ -18,9 +18,8 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: the measured processes run one thread each
 
 import argparse
-import platform
 
-from docsection import replace_section  # benchmarks/, beside this script
+from harness import machine_summary, replace_section  # benchmarks/, beside this script
 from speccache.testing.long import TARGETS, forward_peak_bytes, memory_bound
 from speccache.units import human_bytes
 
@@ -55,8 +54,8 @@ def main() -> None:
             BEGIN,
             "## Long samples: peak memory of the forward (benchmarks/long_samples.py)",
             "",
-            f"`python benchmarks/long_samples.py --out docs/benchmarks.md` (`make bench`), {platform.machine()}, "
-            f"{os.cpu_count()} cores, one thread, torch's SDPA attention. The peak growth of resident memory while "
+            f"`python benchmarks/long_samples.py --out docs/benchmarks.md` (`make bench`), {machine_summary()}, "
+            f"one thread, torch's SDPA attention. The peak growth of resident memory while "
             "one unpadded sample of T tokens is computed (`forward_capturing`, fp32, one captured layer and the "
             "embeddings), unchunked and with `--prefill-chunk N` (a KV cache carried across chunks), on two "
             "random Llamas of `speccache.testing.long`: narrow (hidden "

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from docsection import replace_section  # benchmarks/, beside this script
+from harness import machine_summary, replace_section  # benchmarks/, beside this script
 
 BEGIN, END = "<!-- regenerate-benchmark:begin -->", "<!-- regenerate-benchmark:end -->"
 
@@ -82,7 +82,7 @@ def main() -> None:
         "",
         f"`OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')} python benchmarks/regenerate.py "
         f"--prompts {args.prompts} --max-new-tokens {args.max_new_tokens}` on the CPU "
-        f"({os.cpu_count()} cores, torch {torch.__version__}): SmolLM2-135M-Instruct answering {args.prompts} "
+        f"({machine_summary()}, torch {torch.__version__}): SmolLM2-135M-Instruct answering {args.prompts} "
         "single-turn prompts greedily, each case one `regenerate()` call (model load included). The rates are per "
         "second of wall time; CPU seconds are the process's own (a shared machine's other load is in the wall time "
         "only).",

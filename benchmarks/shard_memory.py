@@ -230,7 +230,7 @@ def write_section(path: str, rows: list[dict], forwards: int) -> None:
         "heads do not split, so `tp` is measured at W = 2 only.",
         END,
     ]
-    from docsection import replace_section  # benchmarks/, beside this script (the tests load this file alone)
+    from harness import replace_section  # benchmarks/, beside this script (the tests load this file alone)
 
     replace_section(path, "\n".join(lines) + "\n", BEGIN, END)
 

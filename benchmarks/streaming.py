@@ -32,7 +32,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: one thread per pr
 
 import argparse
 import multiprocessing
-import platform
 import shutil
 import threading
 import time
@@ -41,7 +40,7 @@ from typing import Any
 
 import torch
 
-from docsection import replace_section  # benchmarks/, beside this script
+from harness import machine_summary, replace_section  # benchmarks/, beside this script
 from speccache.read import CacheDataset, PadCollator
 from speccache.read.follow import Follow
 from speccache.testing.synthetic import write_synthetic_cache
@@ -237,8 +236,8 @@ def main() -> None:
             BEGIN,
             "## Training while the cache is written (benchmarks/streaming.py)",
             "",
-            f"`python benchmarks/streaming.py --out docs/benchmarks.md` (`make bench`), {platform.machine()}, "
-            f"{os.cpu_count()} cores, one thread per process (`OMP_NUM_THREADS=1`). {args.samples} synthetic "
+            f"`python benchmarks/streaming.py --out docs/benchmarks.md` (`make bench`), {machine_summary()}, "
+            f"one thread per process (`OMP_NUM_THREADS=1`). {args.samples} synthetic "
             f"samples of {args.max_len // 2}-{args.max_len} tokens, bf16 hidden {args.hidden}, "
             f"{args.shard_size} per shard; the producer (its own process) spends {args.compute_seconds:g} s per "
             f"batch of {args.producer_batch} standing in for the target's forward, then writes the shard; the "
@@ -254,12 +253,6 @@ def main() -> None:
             "sampled every 2 ms; the bound is the cap plus one shard, of the largest shard's size. Same samples: "
             "the multiset of `sample_id` and the sum of every feature value the trainer read equal the offline "
             "run's.",
-            "",
-            "Following overlaps the two steps, so the end-to-end time nears the slower side's alone instead of "
-            "their sum. A cap bounds the disk to itself plus the shard being written; while the trainer is the "
-            "slower side the producer spends the difference paused at the cap, and a cap of a few shards is as "
-            "fast as none. While the producer is the slower side the trainer's idle time is that difference "
-            "whatever the cap.",
             END,
             "",
         ]

@@ -2,11 +2,11 @@
 
 Each job opens a fresh ``CacheDataset`` and reads one shuffled epoch through a DataLoader
 (``LocalityShuffleSampler`` with its prefetch, ``PackCollator``, ``num_workers=0``), as
-``benchmarks/run.py``'s read section does, of large (~2 MB) and small (~32 KB) samples
-(its ``LARGE`` and ``SMALL`` caches, written the same way). The jobs:
+``benchmarks/reads.py`` does, of large (~2 MB) and small (~32 KB) samples
+(``benchmarks/fixtures.py``'s ``LARGE`` and ``SMALL`` caches). The jobs:
 
 * the first epoch, warm (the files read whole just before) and cold (dropped from the
-  page cache just before, as run.py drops them), verified and not: the verified one
+  page cache just before, as reads.py drops them), verified and not: the verified one
   hashes every tensor it reads once, on the read-ahead thread where the sampler
   prefetches;
 * a later epoch of the same process (one epoch read untimed first, by the same dataset,
@@ -16,7 +16,7 @@ Each job opens a fresh ``CacheDataset`` and reads one shuffled epoch through a D
 
 All jobs of a kind run once per round, in a new shuffled order each round, and each
 figure is the median over the rounds of the per-round ratio (verified time / unverified
-time), with the smallest and largest ratio beside it (run.py's ``paired_rounds``).
+time), with the smallest and largest ratio beside it (``benchmarks/harness.py``'s ``paired_rounds``).
 
 The report goes between ``<!-- verify-benchmark:begin -->`` and ``<!-- verify-benchmark:end -->`` of ``--out``.
 
@@ -26,36 +26,16 @@ Usage: OMP_NUM_THREADS=1 python benchmarks/verify.py --out docs/benchmarks.md [-
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import functools
 import mmap
 import os
-import platform
 from collections.abc import Callable
 
-import torch
-
-from docsection import replace_section  # benchmarks/, beside this script
-from run import (
-    LARGE,
-    SMALL,
-    Kind,
-    PageCache,
-    Pool,
-    Report,
-    cooled,
-    epoch,
-    load_average,
-    paired_rounds,
-    shard_paths,
-    warmed,
-    write_native_cache,
-)
+from fixtures import LARGE, SMALL, Kind, Pool, epoch, shard_paths, write_native_cache  # benchmarks/, beside this
+from harness import PageCache, Report, bench_args, cooled, paired_rounds, start, verdict, warmed, write_report
 from speccache.read import CacheDataset, PackCollator
 from speccache.read.sampler import LocalityShuffleSampler
 
-BEGIN, END = "<!-- verify-benchmark:begin -->", "<!-- verify-benchmark:end -->"
 COLD_TARGET, WARM_TARGET, LATER_TARGET = 1.10, 1.25, 1.05
 
 
@@ -115,8 +95,11 @@ def bench(report: Report, work: str, kinds: list[Kind], rounds: int) -> None:
                     f"{times[f'verified {what}']:.3f} s",
                     f"{times[f'unverified {what}']:.3f} s",
                     f"{r:.2f}x ({spread})",
-                    f"<= {target:.2f}x: {'met' if r <= target else 'NOT met'}",
+                    f"<= {target:.2f}x: {verdict(r <= target)}",
                 )
+            )
+            report.target(
+                f"{kind.name} {what} epoch: verified / verify=False <= {target:.2f}x", f"{r:.2f}x", r <= target
             )
         for what in ("first cold", "first warm"):
             r = times.ratio(f"serial {what}", f"unverified {what}")
@@ -131,55 +114,23 @@ def bench(report: Report, work: str, kinds: list[Kind], rounds: int) -> None:
                 )
             )
     report.table(["cache", "epoch", "verified (median)", "verify=False (median)", "ratio (spread)", "target"], rows)
-    report.add(f"Cold reads: the page cache dropped with {cache.method}; at most {cache.residue:.0%} of the files")
-    report.add("was still cached after a drop (`mincore`).")
-    report.add()
-    report.add(NOTES)
-    report.add()
-
-
-NOTES = """\
-What the check costs, and why: the first read of each shard streams the tensors the reader reads once more,
-`pread` through a 1 MiB buffer and xxh3-128, about 14 GB/s from the page cache on this machine (225 MiB in 16
-ms; hashing straight from the mapping was no faster). From disk that pass is the read itself, which leaves the
-shard in the page cache for the batches, so the cold first epoch costs about what an unverified one does. Warm,
-an unverified epoch copies at memory speed too (about 7 GB/s here for large samples), so a serial hash pass adds
-half of it again or more: the 1.25x warm target is reachable only by hashing on
-another core, which this shared machine's two cores seldom have free. The reader hashes the shards its sampler
-announces (`prefetch`) on a thread of its own, while the batches before them are read; the rows "checks at first
-read" are the same reader with that thread switched off, every check run by the shard's first read, in the same
-rounds, so that what the thread buys shows in each run.
-Queuing the checks on the read-ahead thread, behind its page-cache runs, was tried first and measured slower
-than no thread. Later epochs of the same process hash nothing (each shard once per process, which
-tests/test_checked_reads.py pins by counting the hash calls): their ratio is this machine's noise around 1.0x."""
+    report.add(cache.describe())
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=None, help="the Markdown file to write this section into")
-    p.add_argument("--work", default="bench-out")
-    p.add_argument("--scale", type=float, default=0.25, help="cache sizes relative to run.py's (default 0.25)")
-    p.add_argument("--rounds", type=int, default=5)
-    args = p.parse_args(argv)
-    os.makedirs(args.work, exist_ok=True)
-    torch.set_num_threads(1)
+    args, run = start(bench_args(__doc__, scale=0.25, rounds=5), __file__, argv)
     report = Report()
-    report.add(BEGIN)
     report.add("## Checked reads: the default reader against `verify=False` (benchmarks/verify.py)")
     report.add()
     report.add(
-        f"{datetime.date.today().isoformat()}, {platform.machine()}, {os.cpu_count()} CPUs shared with other jobs "
-        f"(load average before the run: {load_average()}), `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}`, "
-        f"`--scale {args.scale} --rounds {args.rounds}`. Each ratio is verified time / unverified time, the median "
-        "of the per-round ratios of jobs run in a shuffled order each round; a busy shared machine makes single "
-        "rounds noisy (see the spread)."
+        f"`OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}`. Each ratio is verified time / unverified time, the "
+        "median of the per-round ratios of jobs run in a shuffled order each round; a busy shared machine makes "
+        "single rounds noisy (see the spread)."
     )
     report.add()
     kinds = [LARGE.scaled(args.scale), SMALL.scaled(args.scale)]
     bench(report, args.work, kinds, args.rounds)
-    report.add(END)
-    if args.out:
-        replace_section(args.out, "\n".join(report.lines) + "\n", BEGIN, END)
+    write_report("verify", report, run, args.out)
 
 
 if __name__ == "__main__":
