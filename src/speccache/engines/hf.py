@@ -437,8 +437,8 @@ def _from_checkpoint(model: PreTrainedModel, readers: dict[str, Reader]) -> Load
     """``model`` with embedding readers that read the full matrices from the checkpoint."""
 
     def full(module: nn.Module) -> torch.Tensor:
-        param_name = next(n for n, p in model.named_parameters() if p is module.weight)
-        return readers[param_name](None).to(module.weight.dtype)
+        param_name, param = next((n, p) for n, p in model.named_parameters() if p is module.weight)
+        return readers[param_name](None).to(param.dtype)
 
     return LoadedTarget(model, lambda: full(model.get_input_embeddings()), lambda: full(model.get_output_embeddings()))
 
