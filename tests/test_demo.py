@@ -22,7 +22,7 @@ from speccache.demo import (
     demo_data_path,
     ensure_demo_target,
 )
-from speccache.demo.make_data import write_files
+from support import load_tool
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_demo_data_files(tok):
 
 
 def test_make_data_reproduces_bundled_files(tmp_path):
-    write_files(tmp_path)
+    load_tool("make_demo_data").write_files(tmp_path)
     for form in ("sharegpt", "openai"):
         assert (tmp_path / f"chat_{form}.jsonl").read_bytes() == Path(demo_data_path(form)).read_bytes()
 

@@ -6,13 +6,12 @@ read and compared.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
-from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "mypy_baseline.py"
+from support import load_tool
+
 OLD = 'src/speccache/a.py:12: error: Incompatible types in assignment (expression has type "str")  [assignment]'
 NEW = 'src/speccache/b.py:7: error: Name "x" is not defined  [name-defined]'
 OLD_ENTRY = 'src/speccache/a.py:assignment:Incompatible types in assignment (expression has type "str")'
@@ -20,10 +19,7 @@ OLD_ENTRY = 'src/speccache/a.py:assignment:Incompatible types in assignment (exp
 
 @pytest.fixture()
 def tool():
-    spec = importlib.util.spec_from_file_location("mypy_baseline", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("mypy_baseline")
 
 
 def fake_mypy(monkeypatch, tool, *lines: str, returncode: int = 1) -> None:

@@ -161,7 +161,9 @@ _MATH_FOLLOW_UPS = ["Can you check your answer?", "Explain the steps.", "Now mak
 
 
 def _follow_ups(p: Parts, kind: str) -> list[str]:
-    return {"code": p["code_followups"], "math": _MATH_FOLLOW_UPS}.get(kind, p["followups"])
+    if kind == "code":
+        return p["code_followups"]
+    return _MATH_FOLLOW_UPS if kind == "math" else p["followups"]
 
 
 def _conversation(user_turns: list[str]) -> list[dict[str, str]]:

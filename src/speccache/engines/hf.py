@@ -29,7 +29,7 @@ import logging
 import os
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -249,11 +249,13 @@ def load_target(
         return _load_tp(model_path, dtype, device, groups)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval().requires_grad_(False)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    # PreTrainedModel.to is declared through functools.wraps(nn.Module.to), whose stub loses the bound self
+    cast(nn.Module, model).to(device).eval().requires_grad_(False)
     return LoadedTarget(
         model,
-        lambda: model.get_input_embeddings().weight.detach().cpu(),
-        lambda: model.get_output_embeddings().weight.detach().cpu(),
+        lambda: model.get_input_embeddings().get_parameter("weight").detach().cpu(),
+        lambda: model.get_output_embeddings().get_parameter("weight").detach().cpu(),
     )
 
 
@@ -437,8 +439,8 @@ def _from_checkpoint(model: PreTrainedModel, readers: dict[str, Reader]) -> Load
     """``model`` with embedding readers that read the full matrices from the checkpoint."""
 
     def full(module: nn.Module) -> torch.Tensor:
-        param_name = next(n for n, p in model.named_parameters() if p is module.weight)
-        return readers[param_name](None).to(module.weight.dtype)
+        param_name, param = next((n, p) for n, p in model.named_parameters() if p is module.weight)
+        return readers[param_name](None).to(param.dtype)
 
     return LoadedTarget(model, lambda: full(model.get_input_embeddings()), lambda: full(model.get_output_embeddings()))
 
@@ -561,12 +563,14 @@ def _load_tp(model_path: str, dtype: Any, device: torch.device, groups: DataPara
             f"--model {model_path}: --shard-target tp loads transformers' own causal-LM classes, and the "
             f"{config.model_type!r} architecture has none; use --shard-target fsdp"
         )
-    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    # transformers annotates every lazy auto mapping's values as the tokenizers' (slow, fast) class pair; this
+    # one maps a config class to its model class
+    cls = cast("type[PreTrainedModel]", MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
 
     def prepare(_: type, config: Any, device_map: Any = None) -> tuple[Any, torch.device, Any]:
         return config, device, meshes
 
-    grouped = type(cls.__name__, (cls,), {"prepare_distribute_model": classmethod(prepare)})
+    grouped: type[PreTrainedModel] = type(cls.__name__, (cls,), {"prepare_distribute_model": classmethod(prepare)})
     model = grouped.from_pretrained(model_path, dtype=dtype, distributed_config=DistributedConfig(tp_size=tp_size))
     model = model.eval().requires_grad_(False)
     embedding = model.get_input_embeddings().weight

@@ -365,7 +365,7 @@ class VllmEngine:
             if self.environment is None:
                 self.llm.llm_engine.step()
             time.sleep(0.001)
-        states = [delivered.pop(k) for k in keys]
+        states = [delivered.pop(k) for k in keys if k is not None]  # none is: the loop waited for every key
         for seq, s in zip(sequences, states):
             assert s.shape[0] == len(seq), f"vLLM returned {s.shape[0]} rows for a {len(seq)}-token prompt"
         return states
@@ -477,6 +477,7 @@ class VllmPrecomputeEngine:
         cfg = self.cfg
         loaded = load_outer_modules(cfg.model, cfg.model_dtype)
         num_layers = len(decoder_layers(loaded.model))
+        expert: dict[str, Any] = {"enable_expert_parallel": True} if cfg.enable_expert_parallel else {}
         self.engine = VllmEngine(
             cfg.model,
             vllm_layer_ids(request.layers, request.embeddings, num_layers),
@@ -484,7 +485,7 @@ class VllmPrecomputeEngine:
             max_model_len=max_tokens + 1,  # the longest prompt and its one sampled token
             tensor_parallel_size=cfg.tensor_parallel_size,
             environment=self.environment,
-            **({"enable_expert_parallel": True} if cfg.enable_expert_parallel else {}),
+            **expert,
             **chunked_prefill_args(cfg.prefill_chunk),
             **chunked_prefill_sequences(cfg.prefill_chunk),
             **{**self.engine_args, **_memory_share(cfg.gpu_memory_utilization)},  # the user's share over a rank's

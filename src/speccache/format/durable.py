@@ -138,13 +138,13 @@ def atomic_write(path: str, write_fn: Callable[[str], Any]) -> str:
 
 def output_error(directory: str, exc: Exception) -> OutputError:
     """``exc``, a refused write under ``directory``, as an :class:`OutputError` naming the path and the fix."""
-    code = getattr(exc, "errno", None)
+    code: int | None = getattr(exc, "errno", None)
     reason = getattr(exc, "strerror", None) or str(exc)
     filename = getattr(exc, "filename", None)
     name, top = None if filename is None else os.path.normpath(os.fspath(filename)), os.path.normpath(directory)
     # a file in the directory is one of our temporary names, which would tell the user nothing
     where = "" if name in (None, top) or os.path.dirname(name) == top else f" ({filename})"
-    fix = _FIXES.get(code, "check that it is writable and has free space, then re-run")
+    fix = (code is not None and _FIXES.get(code)) or "check that it is writable and has free space, then re-run"
     error = OutputError(f"cannot write output directory {directory}: {reason}{where}; {fix}")
     error.errno = code
     return error
@@ -154,9 +154,10 @@ def output_error(directory: str, exc: Exception) -> OutputError:
 def writes_to(directory: str, *also: type[Exception]) -> Iterator[None]:
     """Turn a write the operating system refuses under ``directory`` (``OSError``, or ``also``) into an
     :class:`OutputError`; atomic writes leave nothing half-written under a final name."""
+    refusals: tuple[type[Exception], ...] = (OSError, *also)
     try:
         yield
-    except (OSError, *also) as exc:
+    except refusals as exc:
         if isinstance(exc, OutputError):
             raise
         raise output_error(directory, exc) from None
@@ -198,7 +199,7 @@ def bytes_view(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:

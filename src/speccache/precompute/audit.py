@@ -57,7 +57,7 @@ from speccache.devices import target_device
 from speccache.engines.hf import load_target
 from speccache.errors import AuditError, SpeccacheError
 from speccache.format import LENGTHS_KEY, Manifest
-from speccache.methods.base import model_config_hash
+from speccache.methods.base import LoadedTarget, model_config_hash
 from speccache.methods.eagle3 import CACHE_NAME as EAGLE3
 from speccache.methods.eagle3 import SIDE_FILE as EAGLE3_SIDE
 from speccache.methods.eagle3 import Eagle3Target, Supervision, read_side_file
@@ -199,12 +199,12 @@ def _compare_weight_rows(path: str, name: str, stored: torch.Tensor, live: torch
     return problems
 
 
-def _check_side_weights(source: CacheSource, model: torch.nn.Module, report: AuditReport) -> None:
+def _check_side_weights(source: CacheSource, loaded: LoadedTarget, report: AuditReport) -> None:
     path = source.side_file(EAGLE3_SIDE)
     side = read_side_file(path, ("embed_tokens", "lm_head", "selected_token_ids"))
     live = {
-        "embed_tokens": model.get_input_embeddings().weight.detach().cpu(),
-        "lm_head": model.get_output_embeddings().weight.detach().cpu()[side["selected_token_ids"]],
+        "embed_tokens": loaded.input_embeddings(),
+        "lm_head": loaded.output_embeddings()[side["selected_token_ids"]],
     }
     for name, value in live.items():
         report.problems.extend(_compare_weight_rows(path, name, side[name], value))
@@ -321,7 +321,7 @@ def audit_cache(
     compute_dtype = next(loaded.model.parameters()).dtype
     # open_source checked that a view's sources share one side file: one target, one check of its weights
     compute_batch = TARGETS[manifest.cache_name](opened, config, loaded.model)
-    _check_side_weights(opened, loaded.model, report)
+    _check_side_weights(opened, loaded, report)
     view = ViewDataset(cache_dir) if opened.view is not None else None
     manifests = opened.manifests
     datasets = [

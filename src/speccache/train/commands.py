@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -112,7 +112,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.model:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=model_dtype).to(device)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=model_dtype)
+        # PreTrainedModel.to is declared through functools.wraps(nn.Module.to), whose stub loses the bound self
+        cast(torch.nn.Module, model).to(device)
         runner = TargetRunner(model, draft.config.aux_layers)
         prompts = eval_prompts(args.cache, args.prompts)
         proposers: dict[str, Proposer] = {"draft": DraftProposer(draft), "prompt_lookup": PromptLookup()}

@@ -88,9 +88,9 @@ class DraftLayer(nn.Module):
         super().__init__()
         hidden = config.hidden_size
         self.self_attn = LlamaAttention(config, layer_idx=0)
-        for name, width in (("q_proj", config.num_attention_heads), ("k_proj", config.num_key_value_heads)):
-            setattr(self.self_attn, name, nn.Linear(2 * hidden, width * config.head_dim, bias=False))
-        self.self_attn.v_proj = nn.Linear(2 * hidden, config.num_key_value_heads * config.head_dim, bias=False)
+        for name in ("q_proj", "k_proj", "v_proj"):  # as wide as the attention made them, over 2H inputs
+            width = getattr(self.self_attn, name).out_features
+            setattr(self.self_attn, name, nn.Linear(2 * hidden, width, bias=False))
         self.mlp = LlamaMLP(config)
         self.hidden_norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
         self.input_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)

@@ -42,7 +42,7 @@ from speccache.methods.eagle3 import (
     read_side_file,
 )
 from speccache.read import LocalityShuffleSampler
-from speccache.read.follow import Follow
+from speccache.read.follow import Follow, FollowLoader
 from speccache.read.source import open_source, reader_sampler
 from speccache.train.draft import LOSS_CURVE, TRAIN_LOG, DraftConfig, Eagle3Draft, check_new_draft_dir, save_draft
 from speccache.train.plots import loss_curve, not_drawn
@@ -369,6 +369,7 @@ def train(
                 draft, batches, head, optimizer, ttt_steps, on_step, scheduler, step_decay, supervise, dtype
             )
     if follow is not None:
+        assert isinstance(loader, FollowLoader)  # what build_eagle3_dataloader returns with follow=
         loader.acknowledge()  # the last batch is trained on: reclaim its shards (the loader was not asked again)
     seconds = time.monotonic() - started
     trained = {

@@ -22,7 +22,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
@@ -197,7 +197,8 @@ def agree(comm: Comm, fn: Callable[[], T] | None, *, leader_only: bool = False) 
             if rank == comm.rank and error is not None:
                 raise error
             raise _rebuild_error(rank, *item)
-    return gathered[0][1] if leader_only else result
+    # rank 0 ran ``fn`` and did not fail (that was raised above), so with leader_only its slot holds fn's T
+    return cast(T, gathered[0][1]) if leader_only else result
 
 
 def _rebuild_error(rank: int, module: str, qualname: str, message: str) -> Exception:
@@ -368,13 +369,12 @@ def fully_shard_units(units: list[torch.nn.Module], device: torch.device) -> Non
 
     require_group("fsdp")
     mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
-    for unit in units:
-        fully_shard(unit, mesh=mesh)
+    sharded = [fully_shard(unit, mesh=mesh) for unit in units]
     if device.type == "cpu":
         # FSDP2 keeps a unit's all-gather output until the next unit's parameters are copied out of its own (for
         # streams that overlap the two on a GPU): three units at once in host memory. Gathering with async_op
         # frees each output as soon as its parameters are copied out, which on the CPU costs no overlap.
-        units[-1]._set_unshard_async_op(True)
+        sharded[-1]._set_unshard_async_op(True)
 
 
 def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
