@@ -20,7 +20,8 @@ import torch
 from torch.utils.data import get_worker_info
 
 from speccache.format import bytes_view
-from speccache.read.dataset import BatchRows, Sample, batch_rows, read_into, readable_layout
+from speccache.read._batch import BatchRows, batch_rows, read_into, readable_layout
+from speccache.read._shard import Sample
 
 __all__ = ["PadCollator", "PackCollator"]
 
