@@ -19,7 +19,7 @@ from speccache.errors import CacheCorruptError, CacheExistsError, CacheFormatErr
 from speccache.format import LENGTHS_KEY, STAT_PREFIX, KeySpec, shard_path
 from speccache.format.view import VIEW_NAME, is_view
 from speccache.read import CacheDataset, PackCollator, PadCollator
-from speccache.read.dataset import batch_rows
+from speccache.read._batch import batch_rows
 from speccache.read.sampler import LocalityShuffleSampler
 from speccache.read.view import ViewDataset, make_merge_view, make_subset_view, parse_where
 from speccache.testing.synthetic import write_synthetic_cache
