@@ -1,7 +1,8 @@
 """The package's layering (docs/architecture.md): a lower room never imports a higher one, siblings stay apart.
 
 Every import statement of every module is read with ``ast`` (function-level imports included), so the
-contract holds for lazy imports too. ``import speccache`` and ``speccache --help`` must not load the
+contract holds for lazy imports too; read the same way, no module imports itself through others (no cycle).
+``import speccache`` and ``speccache --help`` must not load the
 test support of :mod:`speccache.testing`. Every public module names its API in ``__all__``.
 """
 
