@@ -22,7 +22,7 @@ from speccache.format import Manifest, ShardFile, shard_path
 from speccache.format.names import OFFSETS_KEY
 from speccache.methods.eagle3 import Eagle3CacheDataset, build_eagle3_dataloader
 from speccache.read import CacheDataset
-from speccache.read import dataset as dataset_module
+from speccache.read import _checked as checked_module
 from support.cachecmp import same_samples
 
 pytestmark = pytest.mark.usefixtures("offline_single_thread")
@@ -128,9 +128,9 @@ def test_dataloader_workers_check_for_themselves(runs, tmp_path):
 def hashed(monkeypatch) -> list[str]:
     """The shard paths this process hashes from now on, in order (``_DataCheck._hash`` recorded)."""
     paths: list[str] = []
-    real = dataset_module._DataCheck._hash
+    real = checked_module._DataCheck._hash
     monkeypatch.setattr(
-        dataset_module._DataCheck, "_hash", lambda self, source: (paths.append(source.path), real(self, source))[1]
+        checked_module._DataCheck, "_hash", lambda self, source: (paths.append(source.path), real(self, source))[1]
     )
     return paths
 

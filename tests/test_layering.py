@@ -1,7 +1,8 @@
 """The package's layering (docs/architecture.md): a lower room never imports a higher one, siblings stay apart.
 
 Every import statement of every module is read with ``ast`` (function-level imports included), so the
-contract holds for lazy imports too. ``import speccache`` and ``speccache --help`` must not load the
+contract holds for lazy imports too; read the same way, no module imports itself through others (no cycle).
+``import speccache`` and ``speccache --help`` must not load the
 test support of :mod:`speccache.testing`. Every public module names its API in ``__all__``.
 """
 
@@ -23,6 +24,7 @@ RANKS = {
     "speccache.errors": -1,  # below every room: each raises its errors, units and devices included
     "speccache.units": 0,
     "speccache.devices": 0,
+    "speccache.dist": 0,  # where a process stands in its torch.distributed world: read/ and write/ both ask it
     "speccache.format": 1,
     "speccache.write": 2,
     "speccache.read": 2,
@@ -108,6 +110,51 @@ def test_no_module_imports_a_higher_or_sibling_room(path):
         module_name(path), path.read_text(), str(path.relative_to(SRC)), path.name == "__init__.py"
     )
     assert not wrong, "\n".join(wrong)
+
+
+def import_cycles() -> list[list[str]]:
+    """The import cycles among the modules of ``src/``: each strongly connected group of two or more modules
+    (or one that imports itself), read with :func:`imports`, function-level imports included."""
+    graph = {
+        module_name(p): {m for _, m in imports(module_name(p), p.read_text(), p.name == "__init__.py")} for p in MODULES
+    }
+    for edges in graph.values():
+        edges &= graph.keys()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1 or node in graph[node]:
+                cycles.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_module_imports_itself_through_others():
+    cycles = import_cycles()
+    assert not cycles, "import cycles (break each, e.g. by moving what both need into a lower module):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles
+    )
 
 
 def test_the_contract_names_every_room_that_exists():

@@ -182,13 +182,13 @@ def test_long_runs_are_read_with_pread_and_leave_no_pages_mapped(tmp_path):
 
 
 def test_uncached_reads_of_a_batch_are_announced_in_file_order_neighbours_as_one_range(tmp_path, monkeypatch):
-    import speccache.read.dataset as dataset_module
+    import speccache.read._io as io_module
 
     path = str(tmp_path / "c")
     write_synthetic_cache(path, num_samples=8, shard_size=8, hidden=256, min_len=300, max_len=300, overlap=False)
     announced: list[tuple[int, int]] = []
-    monkeypatch.setattr(dataset_module, "_NOWAIT", [0])  # nothing counts as cached
-    monkeypatch.setattr(dataset_module, "_advise", lambda fd, offset, n, advice: announced.append((offset, n)))
+    monkeypatch.setattr(io_module, "_NOWAIT", [0])  # nothing counts as cached
+    monkeypatch.setattr(io_module, "_advise", lambda fd, offset, n, advice: announced.append((offset, n)))
     ds = CacheDataset(path, keys=["hidden"])
     order = [5, 2, 3, 6, 4]  # samples 2-6 lie back to back in the file
     PackCollator(["hidden"])(ds.__getitems__(order))
@@ -204,15 +204,15 @@ def _sequential_cache(path: str) -> None:
 
 
 def test_prefetched_samples_are_read_ahead_in_file_order(tmp_path, monkeypatch):
-    import speccache.read.dataset as dataset_module
+    import speccache.read._io as io_module
 
     path = str(tmp_path / "c")
     _sequential_cache(path)
     filled: list[tuple[str, int, int]] = []
-    fill = dataset_module._fill_page_cache
-    monkeypatch.setattr(dataset_module, "_NOWAIT", [0])  # nothing counts as cached
+    fill = io_module._fill_page_cache
+    monkeypatch.setattr(io_module, "_NOWAIT", [0])  # nothing counts as cached
     monkeypatch.setattr(
-        dataset_module, "_fill_page_cache", lambda s, o, n, sink: (filled.append((s.path, o, n)), fill(s, o, n, sink))
+        io_module, "_fill_page_cache", lambda s, o, n, sink: (filled.append((s.path, o, n)), fill(s, o, n, sink))
     )
     ds = CacheDataset(path, keys=["hidden"])
     ds.prefetch([13, 5, 2, 9, 3])  # returns at once; a thread reads shard 1, then shard 0, each in file order
@@ -234,14 +234,14 @@ def test_prefetched_samples_are_read_ahead_in_file_order(tmp_path, monkeypatch):
 )
 def test_prefetch_groups_any_indices_as_the_reader_reads_them(tmp_path, monkeypatch, indices):
     # A sampler's window of ints is grouped with array operations; other indices one by one: the same reads.
-    import speccache.read.dataset as dataset_module
+    import speccache.read._io as io_module
 
     path = str(tmp_path / "c")
     _sequential_cache(path)
-    monkeypatch.setattr(dataset_module, "_NOWAIT", [0])  # nothing counts as cached
+    monkeypatch.setattr(io_module, "_NOWAIT", [0])  # nothing counts as cached
     submitted: list[list[tuple[str, int, int]]] = []
     monkeypatch.setattr(
-        dataset_module._ReadAhead,
+        io_module._ReadAhead,
         "submit",
         lambda self, ranges: submitted.append([(r[0].path, r[1], r[2]) for r in ranges]),
     )
@@ -268,13 +268,13 @@ def test_prefetch_groups_any_indices_as_the_reader_reads_them(tmp_path, monkeypa
 
 def test_each_shards_reads_are_queued_before_the_next_shard_is_opened(tmp_path, monkeypatch):
     # The disk starts on the first shard while the next shards' headers are read.
-    import speccache.read.dataset as dataset_module
+    import speccache.read._io as io_module
 
     path = str(tmp_path / "c")
     _sequential_cache(path)
     events: list[tuple[str, int | str]] = []
-    monkeypatch.setattr(dataset_module, "_NOWAIT", [0])  # nothing counts as cached
-    submit, open_shard = dataset_module._ReadAhead.submit, CacheDataset._open_shard
+    monkeypatch.setattr(io_module, "_NOWAIT", [0])  # nothing counts as cached
+    submit, open_shard = io_module._ReadAhead.submit, CacheDataset._open_shard
 
     def record_submit(self, ranges):
         ranges = list(ranges)
@@ -286,7 +286,7 @@ def test_each_shards_reads_are_queued_before_the_next_shard_is_opened(tmp_path, 
             events.append(("open", index))
         return open_shard(self, index)
 
-    monkeypatch.setattr(dataset_module._ReadAhead, "submit", record_submit)
+    monkeypatch.setattr(io_module._ReadAhead, "submit", record_submit)
     monkeypatch.setattr(CacheDataset, "_open_shard", record_open)
     ds = CacheDataset(path, keys=["hidden"])
     ds.prefetch([13, 5, 2, 9, 3])
@@ -296,12 +296,12 @@ def test_each_shards_reads_are_queued_before_the_next_shard_is_opened(tmp_path, 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_read_ahead_thread_changes_no_batch(cache, monkeypatch, workers):
-    import speccache.read.dataset as dataset_module
+    import speccache.read._io as io_module
 
     fills = []
-    fill = dataset_module._fill_page_cache
-    monkeypatch.setattr(dataset_module, "_NOWAIT", [0])  # every long read is queued, waited for and read again
-    monkeypatch.setattr(dataset_module, "_fill_page_cache", lambda *a: (fills.append(a[1]), fill(*a)))
+    fill = io_module._fill_page_cache
+    monkeypatch.setattr(io_module, "_NOWAIT", [0])  # every long read is queued, waited for and read again
+    monkeypatch.setattr(io_module, "_fill_page_cache", lambda *a: (fills.append(a[1]), fill(*a)))
     collate = PackCollator(RAGGED)
     plain = CacheDataset(cache)
     order = LocalityShuffleSampler(plain, plain.shard_size, seed=5, window=2).rank_order().tolist()
@@ -336,11 +336,11 @@ def test_a_shard_replaced_under_the_read_ahead_is_refused(tmp_path):
 
 
 def test_a_shard_truncated_under_the_read_ahead_raises(tmp_path, monkeypatch):
-    import speccache.read.dataset as dataset_module
+    import speccache.read._io as io_module
 
     path = str(tmp_path / "c")
     _sequential_cache(path)
-    monkeypatch.setattr(dataset_module, "_NOWAIT", [0])  # nothing counts as cached: the thread reads everything
+    monkeypatch.setattr(io_module, "_NOWAIT", [0])  # nothing counts as cached: the thread reads everything
     ds = CacheDataset(path, keys=["hidden"])
     views = ds.__getitems__(range(8))
     os.truncate(shard_path(path, 0), os.path.getsize(shard_path(path, 0)) // 2)

@@ -17,11 +17,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import speccache.read.dataset as dataset_module
+import speccache.read._checked as checked_module
+from speccache.dist import distributed_position
 from speccache.errors import CacheCorruptError, CacheFormatError
 from speccache.format import KeySpec, manifest_path, shard_path
 from speccache.read import CacheDataset, LocalityShuffleSampler, PackCollator, PadCollator
-from speccache.read.sampler import distributed_position
 from speccache.testing.synthetic import write_synthetic_cache
 from speccache.write import CacheWriter
 
@@ -301,9 +301,9 @@ def test_verify_hashes_each_shard_once_per_process(tmp_path, monkeypatch):
     path = str(tmp_path / "c")
     write_synthetic_cache(path, **ARGS)
     hashed: list[str] = []
-    real = dataset_module._DataCheck._hash
+    real = checked_module._DataCheck._hash
     monkeypatch.setattr(
-        dataset_module._DataCheck, "_hash", lambda self, source: (hashed.append(source.path), real(self, source))[1]
+        checked_module._DataCheck, "_hash", lambda self, source: (hashed.append(source.path), real(self, source))[1]
     )
     ds = CacheDataset(path, max_open_shards=1)  # each shard closed and reopened on every visit
     for _ in range(3):

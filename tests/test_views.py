@@ -18,8 +18,9 @@ from speccache.cli import main
 from speccache.errors import CacheCorruptError, CacheExistsError, CacheFormatError
 from speccache.format import LENGTHS_KEY, STAT_PREFIX, KeySpec, shard_path
 from speccache.format.view import VIEW_NAME, is_view
-from speccache.read import CacheDataset, PackCollator, PadCollator
-from speccache.read.dataset import batch_rows
+from speccache.read import CacheDataset, PackCollator, PadCollator, open_dataset
+from speccache.read._batch import batch_rows
+from speccache.read.follow import Follow, FollowDataset
 from speccache.read.sampler import LocalityShuffleSampler
 from speccache.read.view import ViewDataset, make_merge_view, make_subset_view, parse_where
 from speccache.testing.synthetic import write_synthetic_cache
@@ -88,6 +89,45 @@ def test_merge_reads_the_concatenation_tensor_for_tensor(two):
     )
     body = json.loads((tmp / "v" / VIEW_NAME).read_text())
     assert [s["path"] for s in body["sources"]] == ["../a", "../b"]  # relative: the tree can move as a whole
+
+
+class KeysReader(CacheDataset):
+    """A reader subclass, to see that the one asked for reads the cache, a view's sources and a follower's shards."""
+
+
+@pytest.mark.parametrize("spelling", ["open_dataset", "CacheDataset"])
+def test_open_dataset_says_which_reader_a_directory_gets(two, spelling):
+    tmp, a, b = two
+    make_merge_view([str(tmp / "a"), str(tmp / "b")], str(tmp / "v"))
+
+    def open_(path, *args, **kwargs):
+        if spelling == "open_dataset":
+            return open_dataset(path, *args, dataset_cls=KeysReader, **kwargs)
+        return KeysReader(path, *args, **kwargs)
+
+    cache = open_(str(tmp / "a"), ["hidden"])
+    assert type(cache) is KeysReader and cache.keys == ("hidden",)
+    view = open_(str(tmp / "v"), ["hidden"], max_open_shards=1)
+    assert type(view) is ViewDataset and [type(s) for s in view.sources] == [KeysReader, KeysReader]
+    assert torch.equal(view[10]["hidden"], b[0]["hidden"]) and view.sources[0].max_open_shards == 1
+    follower = open_(str(tmp / "a"), follow=Follow(timeout=1))
+    assert type(follower) is FollowDataset and type(follower.reader) is KeysReader
+    assert len(list(follower)) == len(a)
+    with pytest.raises(CacheFormatError, match="is a view, which selects samples of sealed caches"):
+        open_(str(tmp / "v"), follow=True)
+
+
+def test_a_view_opens_through_the_reader_module_alone(two):
+    """``CacheDataset(view)`` needs no import of the view reader by its caller (nor by the reader's module)."""
+    tmp, _, _ = two
+    make_merge_view([str(tmp / "a"), str(tmp / "b")], str(tmp / "v"))
+    code = (
+        "from speccache.read.dataset import CacheDataset\n"
+        f"print(type(CacheDataset({str(tmp / 'v')!r})).__name__, len(CacheDataset({str(tmp / 'v')!r})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ViewDataset", "17"]
 
 
 def test_a_batch_mixing_sources_is_read_straight_from_their_files(two):

@@ -45,8 +45,9 @@ from speccache.format import (
 from speccache.format.manifest import manifest_text
 from speccache.format.shard import SHARD_META_CHECKSUMS
 from speccache.read import CacheDataset, SampleView
+from speccache.read._batch import batch_rows, read_into, readable_layout
+from speccache.read._shard import open_stacked_file
 from speccache.read.collate import BufferPool, batch_tensor
-from speccache.read.dataset import batch_rows, open_stacked_file, read_into, readable_layout
 from speccache.write.loops import ShardAccumulator, partition_cache_shards, subset_loader
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Collators: a batch of samples into tensors, padded (:class:`PadCollator`) or packed (:class:`PackCollator`).
 
-Samples that are :class:`speccache.read.dataset.SampleView` objects are read
+Samples that are :class:`speccache.read.SampleView` objects are read
 straight from the shard files into the batch tensors (one copy of each byte);
 other samples are copied from their tensors. Both paths give the same bytes.
 """
@@ -20,7 +20,8 @@ import torch
 from torch.utils.data import get_worker_info
 
 from speccache.format import bytes_view
-from speccache.read.dataset import BatchRows, Sample, batch_rows, read_into, readable_layout
+from speccache.read._batch import BatchRows, batch_rows, read_into, readable_layout
+from speccache.read._shard import Sample
 
 __all__ = ["PadCollator", "PackCollator"]
 

@@ -1,37 +1,33 @@
-"""Reading caches: a lazy map-style dataset and the collators that batch its samples.
+"""Reading caches: :class:`CacheDataset`, a lazy map-style dataset of a cache's samples.
 
 :class:`CacheDataset` reads the manifest and lists the directory once; shards
-are opened (one ``mmap`` each) on first use in each process, kept in an LRU of
+are opened (one ``mmap`` each, :mod:`speccache.read._shard`) on first use in each process, kept in an LRU of
 ``max_open_shards``, and never pickled, so DataLoader workers of any start
 method each open their own. ``__getitems__`` (used by the DataLoader for a whole
 batch) returns :class:`SampleView` objects, which only record where each sample
 lies; the collators then read each sample's bytes once, straight from the shard
-file into the batch tensors: long runs with ``pread`` (faulting a fresh mapping
-in costs about as much as the copy itself), the uncached ones of a batch
-announced to the kernel together, in file order and neighbours merged, so
-that the disk reads them in parallel and in long requests; short runs from
-the mapping. :meth:`CacheDataset.prefetch` lets a sampler
+file into the batch tensors (:mod:`speccache.read._batch`). :meth:`CacheDataset.prefetch` lets a sampler
 announce the next samples, which a background thread then reads into the page
-cache in file order while batches are collated (see :class:`_ReadAhead`).
+cache in file order while batches are collated (see :class:`speccache.read._io._ReadAhead`); the data read is
+checked against the shards' checksums first (:mod:`speccache.read._checked`).
+
+A view directory, or a cache read while it is written, is opened by :func:`speccache.read.source.open_dataset`,
+which ``CacheDataset(...)`` asks for them (``CacheDataset.__new__``).
 """
 
 from __future__ import annotations
 
 import errno
 import functools
-import math
 import operator
 import os
-import threading
 import weakref
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 from torch.utils.data import Dataset
 
 from speccache.errors import CacheCorruptError, CacheFormatError, CacheIncompleteError
@@ -40,8 +36,6 @@ from speccache.format import (
     Manifest,
     NativeShard,
     Schema,
-    ShardFile,
-    bytes_view,
     existing_shard_indices,
     expected_parts,
     get_encoding,
@@ -51,12 +45,12 @@ from speccache.format import (
     validate_contiguous_shards,
 )
 from speccache.format.reclaim import refuse_reclaimed
-from speccache.format.shard import checksum_mismatch, recorded_checksums
 from speccache.format.view import is_view
+from speccache.read._checked import _Checker, _DataCheck
+from speccache.read._io import _PREAD_BYTES, _cached_prefix, _ReadAhead
+from speccache.read._shard import KeyLayout, Sample, SampleView, _key_layout, _OpenShard, _shared
 
-Sample = dict[str, torch.Tensor]
-
-__all__ = ["NO_VERIFY_HELP", "CacheDataset", "Sample", "SampleView", "open_stacked_file"]
+__all__ = ["NO_VERIFY_HELP", "CacheDataset"]
 
 NO_VERIFY_HELP = (
     "read the shards without checking the tensors read against their checksums (verify=False): a first epoch "
@@ -65,524 +59,10 @@ NO_VERIFY_HELP = (
 )
 """The help of the ``--no-verify`` flag of the commands that read caches (``%`` doubled for argparse)."""
 
-
-@dataclass(frozen=True)
-class KeyLayout:
-    """How one key's samples are laid out: ``shape`` is per row of a ragged key, per sample of a fixed one."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    ragged: bool
-    row_bytes: int
-
-
-def _key_layout(dtype: torch.dtype, shape: tuple[int, ...], ragged: bool) -> KeyLayout:
-    return KeyLayout(dtype, tuple(shape), ragged, math.prod(shape) * dtype.itemsize)
-
-
-_LAYOUTS: dict[tuple[tuple[str, KeyLayout], ...], dict[str, KeyLayout]] = {}
-
-
-def _shared(infos: dict[str, KeyLayout]) -> dict[str, KeyLayout]:
-    """The one dict of this process for layouts equal to ``infos``: shards of alike layouts (of any reader, a
-    view's sources too) share it, so that a collator checks a batch with one identity test per sample."""
-    return _LAYOUTS.setdefault(tuple(infos.items()), infos)
-
-
-class _OpenShard:
-    """A shard opened by a :class:`CacheDataset` (or by :func:`open_stacked_file`): its decoder plus what reading
-    raw rows from the file needs."""
-
-    __slots__ = (
-        "shard", "path", "keys", "infos", "bases", "mapped", "long", "row_offsets", "fd", "size", "advice", "ahead",
-        "check",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        shard: NativeShard,
-        keys: tuple[str, ...],
-        infos: dict[str, KeyLayout],
-        raw: Sequence[str],
-        ahead: _ReadAhead | None = None,
-    ) -> None:
-        self.shard = shard
-        self.ahead = ahead
-        """The reader that ``prefetch`` hands this shard's announced ranges to, if any."""
-        self.size = shard.file.size
-        self.path: str = shard.path
-        self.keys = keys
-        self.infos = infos
-        entries = shard.file.entries
-        self.bases: dict[str, int | None] = {k: None for k in keys}
-        """File offset of each raw key's first row; ``None`` for an encoded key (decoded through the shard)."""
-        self.bases.update({k: shard.file.data_start + entries[k][2] for k in raw})
-        self.mapped = {k: shard.file.tensor_bytes(k) for k in raw}
-        """The bytes of each raw key in the shard's mapping."""
-        self.row_offsets: list[int] = shard.row_offsets
-        most = max(map(operator.sub, self.row_offsets[1:], self.row_offsets), default=0)
-        self.long = {
-            k: shard.file.data_start + entries[k][2]
-            for k in raw
-            if (most if infos[k].ragged else 1) * infos[k].row_bytes >= _PREAD_BYTES
-        }
-        """File offsets of the raw keys with samples long enough for ``pread`` (which ``prefetch`` announces)."""
-        self.fd: int = shard.file.handle.fileno()  # the file the mapping shows, kept open by the shard
-        self.advice = _advice_bytes(os.fstat(self.fd).st_dev)
-        """Bytes per ``WILLNEED`` (see :func:`_advice_bytes`)."""
-        self.check: _DataCheck | None = None
-        """This process's pending check of the data read from the shard (``None``: passed, or not asked for)."""
-
-    def span(self, key: str, local: int) -> tuple[int, int]:
-        """Byte range of sample ``local``'s rows of raw key ``key``, from the key's first row."""
-        info = self.infos[key]
-        if info.ragged:
-            return self.row_offsets[local] * info.row_bytes, self.row_offsets[local + 1] * info.row_bytes
-        return local * info.row_bytes, (local + 1) * info.row_bytes
-
-    def check_size(self) -> None:
-        """Refuse to touch the mapping of a file that shrank since it was opened (a read past its end is SIGBUS).
-
-        Raises:
-            CacheCorruptError: the file is shorter than when it was opened.
-        """
-        size = os.fstat(self.fd).st_size
-        if size < self.size:
-            raise CacheCorruptError(
-                f"{self.path}: the file shrank from {self.size} to {size} bytes while it was open (truncated, or "
-                "overwritten by a copy). Restore the shard, or re-run the producer with --resume, "
-                "then restart the reader."
-            )
-
-    def check_readable(self) -> None:
-        """Refuse to read from a file that shrank (:meth:`check_size`), or whose data fails its checksums (checked
-        by the first call of a process unless the :class:`_Checker` thread did).
-
-        Raises:
-            CacheCorruptError: the file shrank, or a tensor the reader reads differs from its checksum.
-        """
-        self.check_size()
-        check = self.check
-        if check is not None:
-            check.run(self)
-            self.check = None
-
-    def sample(self, key: str, local: int) -> torch.Tensor:
-        """Sample ``local``'s tensor of ``key``, in memory of its own (never a view of the mapping)."""
-        self.check_readable()
-        rows = self.shard.rows(key, local, local + 1)
-        if self.bases[key] is not None:  # a view of the mapping: copy, so that the caller's edits stay the caller's
-            rows = rows.clone()
-        return rows if self.infos[key].ragged else rows[0]
-
-
-class _StackedFile:
-    """A safetensors file whose every tensor stacks the same ``num_samples`` samples (NeMo's seed layout), read as
-    a shard of fixed keys."""
-
-    def __init__(self, path: str, num_samples: int) -> None:
-        self.file = ShardFile(path)
-        self.path = path
-        self.row_offsets = list(range(num_samples + 1))
-
-    def rows(self, key: str, start: int, end: int) -> torch.Tensor:
-        return self.file.tensor(key)[start:end]
-
-
-def open_stacked_file(path: str, keys: Sequence[str], num_samples: int) -> _OpenShard:
-    """``path``, whose tensors ``keys`` each hold ``num_samples`` stacked samples, opened for :class:`SampleView` reads.
-
-    ``SampleView(opened, i)`` is then sample ``i``, which the collators and :func:`read_into` read straight
-    from the file; a batch of samples of files of one layout is read as one. The caller checks the file's keys
-    and sample counts.
-
-    Raises:
-        CacheCorruptError: the header does not match the file (truncated or damaged).
-    """
-    stacked = _StackedFile(path, num_samples)
-    entries = stacked.file.entries
-    infos = _shared({k: _key_layout(entries[k][0], entries[k][1][1:], False) for k in keys})
-    return _OpenShard(stacked, tuple(keys), infos, keys)  # type: ignore[arg-type]
-
-
-class SampleView(MutableMapping[str, torch.Tensor]):
-    """One sample of a :class:`CacheDataset`, as returned by ``__getitems__``: a dict of tensors made on access.
-
-    Reading a key returns a tensor of its own (copied out of the shard, or decoded), so
-    editing it in place never changes what later reads return; keys can be set and
-    removed like a dict's. Collators copy the keys left as read straight from the shard
-    file into the batch, so a batch costs no per-sample tensors. Pickling turns it into
-    a plain ``dict``.
-    """
-
-    __slots__ = ("_shard", "_local", "_keys", "_set")
-
-    def __init__(self, shard: _OpenShard, local: int) -> None:
-        self._shard = shard
-        self._local = local
-        self._keys = shard.keys
-        self._set: dict[str, torch.Tensor] | None = None
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if self._set is not None and key in self._set:
-            return self._set[key]
-        if key not in self._keys:
-            raise KeyError(key)
-        return self._shard.sample(key, self._local)
-
-    def __setitem__(self, key: str, value: torch.Tensor) -> None:
-        if self._set is None:
-            self._set = {}
-        if key not in self._keys:
-            self._keys = (*self._keys, key)
-        self._set[key] = value
-
-    def __delitem__(self, key: str) -> None:
-        if key not in self._keys:
-            raise KeyError(key)
-        self._keys = tuple(k for k in self._keys if k != key)
-        if self._set is not None:
-            self._set.pop(key, None)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (dict, (dict(self.items()),))
-
-    def __repr__(self) -> str:
-        return f"SampleView({self._shard.path}, sample {self._local}, keys={list(self._keys)})"
-
-    def _as_read(self, key: str) -> bool:
-        """Whether ``key`` holds the shard's data (present, never set)."""
-        return key in self._keys and (self._set is None or key not in self._set)
-
-
-# ---------------------------------------------------------------------------
-# reading rows from the shard files
-
-
-_PREAD_BYTES = 64 << 10
-"""Runs of rows at least this long are read with ``pread`` (the uncached ones announced first, ``POSIX_FADV_WILLNEED``).
-
-Shorter ones are copied from the mapping: a syscall each would cost more than the
-copy, and a fault on a cold page reads its neighbours too (read-around).
-"""
-
-_advise = getattr(os, "posix_fadvise", None)
-_ADVICE_BYTES = 128 << 10
-"""What the kernel reads per ``WILLNEED`` where its device's limits are unknown (the default read-ahead size)."""
-
-
-@functools.cache
-def _advice_bytes(device: int) -> int:
-    """The most the kernel reads per ``WILLNEED`` on files of ``device`` (an ``st_dev``): the larger of the block
-    device's read-ahead size and its largest request (``force_page_cache_ra``); longer ranges go in pieces.
-
-    Pieces any smaller turn one long read into many small requests, which a disk serves several times slower.
-    """
-    queue = f"/sys/dev/block/{os.major(device)}:{os.minor(device)}"
-    for where in (queue + "/queue", queue + "/../queue"):  # a whole disk, or a partition of one
-        try:
-            limits = [int(_read_text(f"{where}/{name}")) for name in ("read_ahead_kb", "max_sectors_kb")]
-        except (OSError, ValueError):
-            continue
-        return max(_ADVICE_BYTES, max(limits) << 10)
-    return _ADVICE_BYTES
-
-
-def _read_text(path: str) -> str:
-    with open(path) as f:
-        return f.read()
-
-
-def _will_need(source: _OpenShard, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start reading ``[offset, offset + nbytes)`` of ``source``'s file into the page cache."""
-    if _advise is None:
-        return
-    end = offset + nbytes
-    while offset < end:
-        _advise(source.fd, offset, min(source.advice, end - offset), os.POSIX_FADV_WILLNEED)
-        offset += source.advice
-
-
-def _announce(ranges: Sequence[tuple[Any, ...]]) -> None:
-    """``WILLNEED`` for each ``(source, offset, nbytes, ...)`` of ``ranges`` (sorted by source, then offset):
-    touching or overlapping ranges of a file go as one, so that the disk streams through it in long requests."""
-    first, start, end = ranges[0][0], ranges[0][1], ranges[0][1]
-    for source, offset, nbytes, *_ in ranges:
-        if source is not first or offset > end:
-            _will_need(first, start, end - start)
-            first, start = source, offset
-        end = max(end, offset + nbytes)
-    _will_need(first, start, end - start)
-
-
-_NOWAIT = [getattr(os, "RWF_NOWAIT", 0)]
-"""``RWF_NOWAIT`` while the kernel and file system take it (a one-element list: switched off on the first refusal)."""
-
-
-def _cached_prefix(source: _OpenShard, dst: memoryview, offset: int) -> int:
-    """Read what the page cache holds of ``dst``'s range without waiting for the disk; the bytes read."""
-    if not _NOWAIT[0]:
-        return 0
-    try:
-        return os.preadv(source.fd, [dst], offset, _NOWAIT[0])
-    except BlockingIOError:
-        return 0
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
-        _NOWAIT[0] = 0
-        return 0
-
-
-def _pread_into(source: _OpenShard, dst: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(dst):
-        got = os.preadv(source.fd, [dst[done:]], offset + done)
-        if got <= 0:
-            raise CacheCorruptError(
-                f"{source.path}: ends before byte {offset + len(dst)} that its header promises "
-                "(truncated while open?). "
-                "Delete the shard and re-run the producer with --resume."
-            )
-        done += got
-
-
-_CHECK_CHUNK = 1 << 20
-"""Bytes read and hashed at a time by :class:`_DataCheck` (a buffer that stays in the CPU's cache while hashed)."""
-
-
-class _DataCheck:
-    """The check of an open shard's data, once per process: each tensor the reader reads (its keys' parts) hashed
-    against the xxh3-128 the shard's metadata records, before the shard's first read returns a byte.
-
-    The tensors are streamed with ``pread`` through one small buffer (not the mapping, whose touched pages would
-    stay mapped), in file order, which leaves them in the page cache for the reads that follow. Tensors the
-    reader does not read are not hashed. A shard that ``prefetch`` announces is checked by the
-    :class:`_Checker` thread while the batches before it are read; the first read runs the check itself if
-    the thread has not started it, or waits for the thread that has.
-    """
-
-    def __init__(self, file: ShardFile, names: Iterable[str], passed: Callable[[], None]) -> None:
-        # Holds no file: a reader keeps the checks of shards it has closed (LRU) until they run.
-        recorded = recorded_checksums(file)
-        start, entries = file.data_start, file.entries
-        self.tensors = [(n, start + entries[n][2], entries[n][3] - entries[n][2], recorded.get(n)) for n in names]
-        """``(name, file offset, nbytes, recorded checksum)`` of each tensor to check, in file order."""
-        self.tensors.sort(key=operator.itemgetter(1))
-        self._passed = passed
-        self.queued_by: int | None = None
-        """The process whose :class:`_Checker` it was handed to (once is enough)."""
-        self._pid = os.getpid()
-        self._lock = threading.Lock()
-        self._done = False
-        self._error: CacheCorruptError | None = None
-
-    def run(self, source: _OpenShard, wait: bool = True) -> None:
-        """Check the tensors (read from ``source``, the shard open now) unless this process did; another thread
-        checking them is waited for, or with ``wait=False`` (the :class:`_Checker` thread) left to it, and a
-        failure is kept for the reader to raise.
-
-        Raises:
-            CacheCorruptError: (``wait`` only) a tensor differs from its checksum, or the file was truncated.
-        """
-        if self._pid != os.getpid():  # a forked worker: the parent's lock may be held by a thread it lacks
-            self._pid, self._lock = os.getpid(), threading.Lock()
-        if not self._lock.acquire(blocking=wait):
-            return
-        try:
-            if not self._done:
-                try:
-                    self._hash(source)
-                except CacheCorruptError as exc:
-                    self._error = exc
-                self._done = True
-                if self._error is None:
-                    self._passed()
-        finally:
-            self._lock.release()
-        if wait and self._error is not None:
-            raise CacheCorruptError(str(self._error))
-
-    def _hash(self, source: _OpenShard) -> None:
-        buf = memoryview(bytearray(min(_CHECK_CHUNK, max((t[2] for t in self.tensors), default=0))))
-        for name, offset, nbytes, recorded in self.tensors:
-            h = xxhash.xxh3_128()
-            end = offset + nbytes
-            while offset < end:
-                chunk = buf[: min(len(buf), end - offset)]
-                _pread_into(source, chunk, offset)
-                h.update(chunk)
-                offset += len(chunk)
-            if h.hexdigest() != recorded:
-                raise checksum_mismatch(source.path, name)
-
-
-class _Checker:
-    """Runs shards' data checks (:class:`_DataCheck`) on a daemon thread, in the order submitted.
-
-    ``prefetch`` submits the shards it announces, so that each is checked while the batches
-    before it are read, on another core: the hashing (``pread`` and xxh3 release the GIL)
-    then costs the reader little more than the wait for the first shard's check. The thread
-    runs only while checks are queued; only the process that made this object uses it.
-    """
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self._lock = threading.Lock()
-        self._queue: deque[tuple[_DataCheck, _OpenShard]] = deque()
-        self._running = False
-
-    def submit(self, source: _OpenShard) -> None:
-        """Queue the pending check of ``source`` unless it was queued before; returns at once."""
-        check = source.check
-        if check is None or check.queued_by == self.pid:
-            return
-        check.queued_by = self.pid
-        with self._lock:
-            self._queue.append((check, source))
-            if not self._running:
-                self._running = True
-                threading.Thread(target=self._run, name="speccache-check", daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                if not self._queue:
-                    self._running = False
-                    return
-                check, source = self._queue.popleft()
-            try:
-                check.run(source, wait=False)
-            except OSError:
-                pass  # the shard's first read checks it again, and reports what is wrong
-
-
-class _ReadAhead:
-    """Reads announced ranges into the page cache on a daemon thread, in the order given (file order).
-
-    A cold epoch then streams through its shards as a plain sequential read does, while
-    batches are collated, instead of waiting on each batch's reads in turn; and a batch
-    that needs a range the thread will reach within :data:`_WAIT_BYTES` waits for it
-    (:meth:`wait`) rather than seeking for it in the middle of the stream. Ranges that
-    touch are read as one run, in one ``sendfile`` to ``/dev/null``: the kernel streams it
-    with its own read-ahead, without coming back for the GIL between samples, and copies
-    nothing, so the thread's memory is its queue of runs, which the sampler's
-    ``prefetch_ahead`` bounds. Nothing is announced with ``WILLNEED`` here: a deep queue
-    of streaming requests would hold up the small synchronous reads the main thread
-    still makes (the headers of shards it opens). The thread runs only while runs are
-    queued, and only the process that made this object uses it: a forked DataLoader
-    worker inherits the object (its lock perhaps held) but not the thread.
-    """
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self._cond = threading.Condition()
-        self._queue: deque[tuple[_OpenShard, int, int, list[tuple[int, int]]]] = deque()
-        """Runs to read: ``(source, offset, nbytes, keys of the ranges in it)``."""
-        self._pending: dict[tuple[int, int], int] = {}
-        """``(id(source), offset)`` of each queued range: the bytes queued up to the end of its run. The queue
-        holds ``source``, so its id is nobody else's meanwhile."""
-        self._queued = 0
-        self._read = 0
-        self._running = False
-
-    def submit(self, ranges: Iterable[tuple[_OpenShard, int, int]]) -> None:
-        """Queue ``(source, offset, nbytes)`` ranges to be read in this order after those queued before, those that
-        touch as one run; returns at once."""
-        with self._cond:
-            run: list[Any] = []
-            for source, offset, nbytes in ranges:
-                if (id(source), offset) in self._pending:
-                    continue
-                if run and run[0] is source and run[1] + run[2] == offset:
-                    run[2] += nbytes
-                else:
-                    self._push(run)
-                    run = [source, offset, nbytes, []]
-                run[3].append((id(source), offset))
-                self._pending[id(source), offset] = -1  # not queued yet: a duplicate in ``ranges`` is skipped
-            self._push(run)
-            if self._queue and not self._running:
-                self._running = True
-                threading.Thread(target=self._run, name="speccache-read-ahead", daemon=True).start()
-
-    def _push(self, run: list[Any]) -> None:
-        if run:
-            self._queued += run[2]
-            self._pending.update(dict.fromkeys(run[3], self._queued))
-            self._queue.append(tuple(run))
-
-    def wait(self, source: _OpenShard, offset: int) -> None:
-        """Return once the range of ``source`` at ``offset`` is read, or at once if it is not queued or the
-        thread has more than :data:`_WAIT_BYTES` to read before it."""
-        key = (id(source), offset)
-        # Without the lock: only the caller's thread adds keys, so one missing now is not queued (or read already).
-        if key not in self._pending or self.pid != os.getpid():
-            return
-        with self._cond:
-            while (end := self._pending.get(key)) is not None and end - self._read <= _WAIT_BYTES:
-                self._cond.wait()
-
-    def close(self) -> None:
-        """Drop what is queued; the thread ends after the range it is reading."""
-        if self.pid != os.getpid():
-            return
-        with self._cond:
-            self._queue.clear()
-            self._pending.clear()
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        done = False
-        try:
-            with open(os.devnull, "wb", buffering=0) as sink:
-                while True:
-                    with self._cond:
-                        if not self._queue:
-                            self._running = False
-                            done = True
-                            return
-                        source, offset, nbytes, keys = self._queue.popleft()
-                    try:
-                        _fill_page_cache(source, offset, nbytes, sink.fileno())
-                    except OSError:
-                        pass  # the batch that needs the range reads it itself, and reports what is wrong
-                    with self._cond:
-                        self._read += nbytes
-                        for key in keys:
-                            self._pending.pop(key, None)
-                        self._cond.notify_all()
-        finally:
-            if not done:  # whatever ended the thread, nobody waits for ranges it will not read
-                with self._cond:
-                    self._running = False
-                    self._queue.clear()
-                    self._pending.clear()
-                    self._cond.notify_all()
-
-
-_WAIT_BYTES = 1 << 30
-"""A batch waits for the read-ahead thread only for ranges it reaches within this many bytes (well under a
-second of a fast disk); farther ones it reads itself."""
-
-
-def _fill_page_cache(source: _OpenShard, offset: int, nbytes: int, sink: int) -> None:
-    """Read ``[offset, offset + nbytes)`` of ``source``'s file into the page cache, into ``sink`` (``/dev/null``)."""
-    end = offset + nbytes
-    while offset < end:
-        sent = os.sendfile(sink, source.fd, offset, end - offset)
-        if sent <= 0:  # past the end of a file truncated under the reader: the batch's own read reports it
-            return
-        offset += sent
+_OPENER: list[Callable[..., Any]] = []
+"""What ``CacheDataset(...)`` hands a view or a following reader to: :func:`speccache.read.source.open_dataset`,
+which that module puts here as it loads (``speccache.read`` imports it, so before any reader is made). The readers
+it opens build on this module, which therefore imports none of them."""
 
 
 class CacheDataset(Dataset):
@@ -594,7 +74,8 @@ class CacheDataset(Dataset):
     :class:`SampleView` objects; ``ds[i]`` is ``dict(ds.__getitems__([i])[0])``, so a
     subclass customises samples by overriding ``__getitems__`` alone.
 
-    A view directory is read as the samples it selects from its sources (see ``__new__``).
+    A view directory is read as the samples it selects from its sources (see ``__new__``;
+    :func:`speccache.read.source.open_dataset` says which reader it returns).
 
     Each shard's identity is checked whenever it is (re)opened: its size against the
     manifest's shard table, its recorded index and counts against the manifest, and the
@@ -631,22 +112,12 @@ class CacheDataset(Dataset):
     """
 
     def __new__(cls, cache_dir: str | None = None, *args: Any, follow: Any = False, **kwargs: Any) -> Any:
-        """A view directory (``speccache merge``/``subset``) opens as a
-        :class:`speccache.read.view.ViewDataset` whose sources are read by this class; ``follow`` gives a
-        :class:`speccache.read.follow.FollowDataset`."""
-        if cache_dir is not None and follow is not False:
-            from speccache.read.follow import FollowDataset  # the follower builds on this module
-
-            if is_view(cache_dir):
-                raise CacheFormatError(
-                    f"{cache_dir} is a view, which selects samples of sealed caches: follow the cache being "
-                    "written itself, or read the view once its sources are sealed"
-                )
-            return FollowDataset(cls, cache_dir, *args, follow=follow, **kwargs)
-        if cache_dir is not None and is_view(cache_dir):  # (unpickling calls __new__ without arguments)
-            from speccache.read.view import ViewDataset  # the view reader builds on this module
-
-            return ViewDataset(cache_dir, *args, dataset_cls=cls, **kwargs)
+        """A view directory (``speccache merge``/``subset``), or ``follow``, opens what
+        :func:`speccache.read.source.open_dataset` opens for this class: a :class:`speccache.read.view.ViewDataset`
+        whose sources are read by this class, or a :class:`speccache.read.follow.FollowDataset`."""
+        # (unpickling calls __new__ without arguments)
+        if cache_dir is not None and (follow is not False or is_view(cache_dir)):
+            return _OPENER[0](cache_dir, *args, dataset_cls=cls, follow=follow, **kwargs)
         return super().__new__(cls)
 
     def __init__(
@@ -1069,134 +540,3 @@ def _complete_prefix(cache_dir: str, num_samples: int, shard_size: int) -> int:
     while k in present:
         k += 1
     return min(k * shard_size, num_samples)
-
-
-# ---------------------------------------------------------------------------
-# reading samples of a batch straight from the shard files (the collators' fast path)
-
-
-class BatchRows:
-    """Where the samples of a batch of :class:`SampleView` objects of alike shards lie in their shards, gathered
-    in one pass for every key the batch reads (:func:`batch_rows`); each shard's file size is checked once here.
-
-    Attributes:
-        infos: the key layouts the samples' shards share.
-        untouched: whether every sample holds every key as read from its shard.
-        sources: each sample's open shard.
-        locals: each sample's index within its shard; ``nexts`` the one after it (a fixed key's rows).
-        starts, ends: each sample's rows of the ragged keys within its shard.
-    """
-
-    __slots__ = ("infos", "untouched", "sources", "locals", "nexts", "starts", "ends")
-
-    def __init__(self, samples: Sequence[SampleView], infos: dict[str, KeyLayout], untouched: bool) -> None:
-        self.infos = infos
-        self.untouched = untouched
-        self.sources = [s._shard for s in samples]
-        self.locals = [s._local for s in samples]
-        self.nexts = [local + 1 for local in self.locals]
-        self.starts = [source.row_offsets[local] for source, local in zip(self.sources, self.locals)]
-        self.ends = [source.row_offsets[local] for source, local in zip(self.sources, self.nexts)]
-        for source in {id(source): source for source in self.sources}.values():
-            source.check_readable()  # before any read touches a mapping: a read past a file's end is SIGBUS
-
-    def counts(self) -> list[int]:
-        """Rows of each sample's ragged keys."""
-        return [end - start for start, end in zip(self.starts, self.ends)]
-
-
-def batch_rows(samples: Sequence[Mapping[str, torch.Tensor]]) -> BatchRows | None:
-    """The rows of ``samples`` in their shards if all are :class:`SampleView` of alike shards, else ``None``.
-
-    Raises:
-        CacheCorruptError: a shard file shrank since it was opened.
-    """
-    first = samples[0] if samples else None
-    if type(first) is not SampleView:
-        return None
-    infos = first._shard.infos
-    untouched = True
-    for s in samples:
-        if type(s) is not SampleView or s._shard.infos is not infos:
-            return None
-        untouched = untouched and s._set is None and s._keys is s._shard.keys
-    return BatchRows(samples, infos, untouched)  # type: ignore[arg-type]
-
-
-def readable_layout(samples: Sequence[Any], rows: BatchRows | None, key: str, ragged: bool) -> KeyLayout | None:
-    """``key``'s layout when every sample holds it as read from its shard, ``ragged`` as the collator treats it."""
-    info = rows.infos.get(key) if rows is not None else None
-    if rows is None or info is None or info.ragged != ragged:
-        return None
-    return info if rows.untouched or all(s._as_read(key) for s in samples) else None
-
-
-def read_into(out: torch.Tensor, rows: BatchRows, key: str, info: KeyLayout, dst: Sequence[int]) -> None:
-    """Copy each sample's rows of ``key`` into the bytes of ``out``, sample ``i`` from byte ``dst[i]``."""
-    mv = bytes_view(out)
-    row_bytes = info.row_bytes
-    large: list[tuple[_OpenShard, int, int, int]] = []
-    encoded: list[tuple[_OpenShard, int, int]] = []
-    starts, ends = (rows.starts, rows.ends) if info.ragged else (rows.locals, rows.nexts)
-    previous = None
-    # This loop runs for every sample and key of every batch: one shard's lookups serve its run of samples.
-    for source, local, start, end, d in zip(rows.sources, rows.locals, starts, ends, dst):
-        if source is not previous:
-            previous, base, mapped = source, source.bases[key], source.mapped.get(key)
-        if base is None:
-            encoded.append((source, local, d))
-            continue
-        start *= row_bytes
-        end *= row_bytes
-        if end - start >= _PREAD_BYTES:
-            large.append((source, base + start, end - start, d))
-        elif end > start:  # an empty sample or zero-width rows copy nothing (and an empty view is read-only)
-            assert mapped is not None  # a key with a base offset is stored raw, so it is mapped
-            mv[d : d + end - start] = mapped[start:end]
-    if large:
-        _read_large(mv, large)
-    if encoded:
-        decode_into(mv, encoded, key, info)
-
-
-def _read_large(mv: memoryview, large: list[tuple[_OpenShard, int, int, int]]) -> None:
-    """Read runs of ``(source, file offset, nbytes, destination)`` into ``mv`` with ``pread`` (not from the mapping:
-    pages a mapping touched stay mapped, and counted in the trainer's resident memory, while the shard is open)."""
-    # What is cached is copied at once; the rest is announced as a whole, so the disk works on every miss
-    # of the batch at the same time, and then read in order.
-    missed: list[tuple[_OpenShard, int, int, int]] = []
-    for source, offset, nbytes, d in large:
-        if source.ahead is not None:  # announced and not read yet: the read-ahead thread is on its way to it
-            source.ahead.wait(source, offset)
-        got = _cached_prefix(source, mv[d : d + nbytes], offset)
-        if got < nbytes:
-            missed.append((source, offset + got, nbytes - got, d + got))
-    missed.sort(key=lambda m: (id(m[0]), m[1]))  # in file order, as _announce asks the disk for them
-    if len(missed) > 1:
-        _announce(missed)
-    for source, offset, nbytes, d in missed:
-        _pread_into(source, mv[d : d + nbytes], offset)
-
-
-def decode_into(mv: memoryview, members: list[tuple[_OpenShard, int, int]], key: str, info: KeyLayout) -> None:
-    """Decode ``(source, local, destination)`` samples into ``mv``, a run of rows per shard when its samples lie
-    close together."""
-    groups: dict[int, tuple[_OpenShard, list[tuple[int, int]]]] = {}
-    for source, local, d in members:
-        groups.setdefault(id(source), (source, []))[1].append((local, d))
-    for source, locals_ in groups.values():
-        locals_.sort()
-        lo, hi = locals_[0][0], locals_[-1][0] + 1
-        spans = [(lo, hi, locals_)] if hi - lo <= 4 * len(locals_) else [(i, i + 1, [(i, d)]) for i, d in locals_]
-        offsets = source.row_offsets
-        for a, b, part in spans:
-            block = source.shard.rows(key, a, b)
-            for local, d in part:
-                rows = (
-                    block[offsets[local] - offsets[a] : offsets[local + 1] - offsets[a]]
-                    if info.ragged
-                    else block[local - a]
-                )
-                data = bytes_view(rows.contiguous())
-                if len(data):
-                    mv[d : d + len(data)] = data

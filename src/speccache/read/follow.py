@@ -37,13 +37,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
 
+from speccache.dist import distributed_position, group_position
 from speccache.errors import CacheCorruptError, CacheFormatError, FollowTimeoutError, UsageError
 from speccache.format import Manifest, existing_shard_indices, manifest_path, num_shards, shard_path
 from speccache.format.durable import writes_to
 from speccache.format.reclaim import read_reclaims, reclaim_shard
+from speccache.read._shard import Sample
 from speccache.read.collate import PadCollator
-from speccache.read.dataset import CacheDataset, Sample, _identity
-from speccache.read.sampler import distributed_position
+from speccache.read.dataset import CacheDataset, _identity
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +99,7 @@ class Follow:
         """``(rank, world_size)``: the given ones, the initialised process group's, or ``(0, 1)``."""
         if self.rank is not None and self.world_size is not None:  # both or neither (__post_init__)
             return self.rank, self.world_size
-        import torch.distributed as dist
-
-        return distributed_position() if dist.is_available() and dist.is_initialized() else (0, 1)
+        return group_position() or (0, 1)
 
 
 def wait_for_manifest(cache_dir: str, timeout: float, poll: float) -> None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import Dataset
 
+from speccache.dist import group_position
 from speccache.errors import UsageError
 from speccache.read.collate import PadCollator
 
@@ -90,14 +91,13 @@ class SequenceParallelDataset(Dataset):
         if (rank is None) != (world_size is None):
             raise UsageError("pass both rank and world_size, or neither (to take them from the process group)")
         if rank is None:
-            import torch.distributed as dist
-
-            if not (dist.is_available() and dist.is_initialized()):
+            position = group_position(group)
+            if position is None:
                 raise RuntimeError(
                     "SequenceParallelDataset without rank and world_size needs an initialised process group "
                     "(torchrun + torch.distributed.init_process_group), or pass rank= and world_size="
                 )
-            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+            rank, world_size = position
         assert world_size is not None  # both or neither, checked above
         sequence_parallel_rows(0, rank, world_size)  # checks the rank
         self.dataset, self.rank, self.world_size = dataset, rank, world_size

@@ -39,14 +39,15 @@ of one shuffled sample after another.
 from __future__ import annotations
 
 import operator
-import os
 from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any
 
 import numpy as np
 from torch.utils.data import DistributedSampler, Sampler
 
-__all__ = ["LocalityShuffleSampler", "default_sampler", "distributed_position"]
+from speccache.dist import distributed_position
+
+__all__ = ["LocalityShuffleSampler", "default_sampler"]
 
 _CHECKED = ("seed", "window", "shard_size", "num_samples", "world_size", "drop_last")
 
@@ -275,26 +276,6 @@ def _positive(name: str, value: Any) -> int:
     if value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     return value
-
-
-def distributed_position() -> tuple[int, int]:
-    """``(rank, world_size)`` of the initialised default process group, for a sampler that splits data across ranks.
-
-    Raises:
-        RuntimeError: no process group is initialised: under torchrun every rank would otherwise read the
-            whole dataset in the same order. Call ``torch.distributed.init_process_group`` first, or pass
-            ``rank`` and ``world_size`` yourself.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    launched = os.environ.get("WORLD_SIZE")
-    raise RuntimeError(
-        "distributed=True needs an initialised torch.distributed process group"
-        + (f" (WORLD_SIZE={launched} is set: this process was started by torchrun)" if launched else "")
-        + ": call torch.distributed.init_process_group() before building the loader, or pass rank= and world_size=."
-    )
 
 
 def default_sampler(

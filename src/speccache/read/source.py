@@ -9,8 +9,10 @@ refuses caches that differ), so what one of them records holds for all; the
 side files are checked again here, by the checksums their manifests record,
 because a ``view.json`` need not come from ``merge``, and one source's head
 must never be paired with another's features. The datasets
-themselves resolve the same way: :class:`speccache.read.CacheDataset` (and every
-subclass) opens a view as a :class:`speccache.read.view.ViewDataset`.
+themselves resolve here too: :func:`open_dataset` opens a view as a
+:class:`speccache.read.view.ViewDataset`, and a cache read while it is written as a
+:class:`speccache.read.follow.FollowDataset`; ``CacheDataset(path)`` (and every subclass)
+asks it for both, so the old spelling opens the same.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from torch.utils.data import Sampler
 from speccache.errors import CacheFormatError
 from speccache.format import Manifest, Schema
 from speccache.format.view import View, is_view
-from speccache.read.dataset import CacheDataset
+from speccache.read.dataset import _OPENER, CacheDataset
+from speccache.read.follow import Follow, FollowDataset
 from speccache.read.sampler import default_sampler
 from speccache.read.view import ViewDataset
 
-__all__ = ["CacheSource", "open_source", "reader_sampler"]
+__all__ = ["CacheSource", "open_dataset", "open_source", "reader_sampler"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,45 @@ def open_source(path: str, cache_name: str | None = None) -> CacheSource:
         )
     dirs = tuple(view.source_dir(i) for i in range(len(view.sources)))
     return CacheSource(path, dirs, tuple(Manifest.read(d, view.cache_name) for d in dirs), view)
+
+
+def open_dataset(
+    path: str,
+    *args: Any,
+    dataset_cls: type[CacheDataset] = CacheDataset,
+    follow: Follow | bool = False,
+    **kwargs: Any,
+) -> CacheDataset | ViewDataset | FollowDataset:
+    """The reader of the cache or view at ``path``: ``dataset_cls`` itself for a cache, a
+    :class:`speccache.read.view.ViewDataset` whose sources ``dataset_cls`` reads for a view, and with ``follow`` a
+    :class:`speccache.read.follow.FollowDataset` of ``dataset_cls``'s samples.
+
+    ``dataset_cls(path, ...)`` opens the same (its ``__new__`` asks this function), though what it returns for a
+    view or a follower is then no ``dataset_cls``; this function's return type says so.
+
+    Args:
+        path: a cache directory, or a view directory (``speccache merge``/``subset``).
+        *args: passed to the reader after the directory (``keys``, or a layer reader's ``fields``).
+        dataset_cls: the reader of the cache, or of each of a view's sources (``CacheDataset`` or a subclass).
+        follow: read the cache while it is written (``True`` or :class:`speccache.read.follow.Follow` settings).
+        **kwargs: passed to the reader (``verify``, ``max_open_shards``...).
+
+    Raises:
+        CacheFormatError: ``follow`` on a view; what the reader raises.
+    """
+    if follow is not False:
+        if is_view(path):
+            raise CacheFormatError(
+                f"{path} is a view, which selects samples of sealed caches: follow the cache being "
+                "written itself, or read the view once its sources are sealed"
+            )
+        return FollowDataset(dataset_cls, path, *args, follow=follow, **kwargs)
+    if is_view(path):
+        return ViewDataset(path, *args, dataset_cls=dataset_cls, **kwargs)
+    return dataset_cls(path, *args, **kwargs)
+
+
+_OPENER[:] = [open_dataset]
 
 
 def reader_sampler(

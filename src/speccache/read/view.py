@@ -28,7 +28,8 @@ from speccache.errors import CacheFormatError, CacheIncompleteError, UsageError
 from speccache.format import Manifest, file_checksum, shard_path
 from speccache.format.manifest import CONFIG_DEFAULTS
 from speccache.format.view import View, new_view_dir, source_record
-from speccache.read.dataset import CacheDataset, Sample
+from speccache.read._shard import Sample
+from speccache.read.dataset import CacheDataset
 from speccache.read.stats import cache_sample_stats
 
 __all__ = ["ViewDataset", "make_merge_view", "make_subset_view", "parse_where", "verify_view"]

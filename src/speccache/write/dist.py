@@ -2,8 +2,8 @@
 
 Producers talk to a :class:`Comm` so that the same code runs alone and under
 ``torchrun``; this is the only module that makes groups and collectives of ``torch.distributed``
-(readers only ask it for their rank and world size): :func:`init_from_env` joins the group, :func:`shutdown`
-leaves it.
+(where a process stands in its world, which readers ask too, is :mod:`speccache.dist`'s): :func:`init_from_env`
+joins the group, :func:`shutdown` leaves it.
 
 A collective that fails (another rank died, so its sockets closed; or it did not
 reach the same collective within the timeout) raises
@@ -26,6 +26,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
+from speccache.dist import launched_distributed
 from speccache.errors import DistributedError, UsageError
 
 T = TypeVar("T")
@@ -40,7 +41,6 @@ __all__ = [
     "group_mesh",
     "not_under_torchrun",
     "require_group",
-    "launched_distributed",
     "init_from_env",
     "shutdown",
     "exit_after_group",
@@ -290,11 +290,6 @@ def group_mesh(device: torch.device, groups: int, dims: dict[str, int]) -> Any:
 
     mesh = init_device_mesh(device.type, (groups, *dims.values()), mesh_dim_names=("group", *dims))
     return mesh[tuple(dims)]
-
-
-def launched_distributed() -> bool:
-    """Whether this process was started by ``torchrun`` (or a launcher that sets the same variables)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
 
 
 def init_from_env(device: torch.device, timeout_s: float) -> Comm:
