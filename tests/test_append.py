@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from speccache.cli import main
-from speccache.data import SKIPPED_ROWS_FILE
 from speccache.demo import build_tiny_model_dir, demo_data_path
 from speccache.errors import CacheCorruptError, CacheIncompleteError, ConfigMismatchError
-from speccache.format import load_manifest_json, manifest_path, write_bytes_file
+from speccache.format import SKIPPED_ROWS_FILE, load_manifest_json, manifest_path, write_bytes_file
 from speccache.format.manifest import write_manifest_file
 from speccache.methods import finite
 from speccache.precompute.run import PrecomputeConfig, run_precompute

@@ -10,9 +10,9 @@ import tempfile
 import pytest
 
 from speccache.cli import main
-from speccache.data import DROPPED_FIELDS_FILE, ChatFormat, load_samples, merge_parts
-from speccache.data.template import INLINE_REASONING, dropped_fields
-from speccache.format import load_manifest_json, manifest_path
+from speccache.data import ChatFormat, load_samples, merge_parts
+from speccache.data._dropped import INLINE_REASONING, dropped_fields
+from speccache.format import DROPPED_FIELDS_FILE, load_manifest_json, manifest_path
 from test_chat_templates import (
     CALL,
     HARMONY_TOOLS_LIKE,

@@ -14,11 +14,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from speccache.cli import main
-from speccache.data import SOURCE_ROW_KEY, source_row_spec
 from speccache.demo import demo_data_path
 from speccache.engines import registry as engines
 from speccache.errors import UsageError
-from speccache.format import LENGTHS_KEY, KeySpec, Manifest
+from speccache.format import LENGTHS_KEY, SOURCE_ROW_KEY, KeySpec, Manifest, source_row_spec
 from speccache.methods import registry as methods
 from speccache.methods.base import CaptureRequest, LoadedTarget, MethodPlan, PrePass, text_config
 from speccache.methods.decoder import Capture

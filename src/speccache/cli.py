@@ -28,7 +28,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a cache's schema, counts and sizes."""
     import os
 
-    from speccache.data import SKIPPED_ROWS_FILE
+    from speccache.format import SKIPPED_ROWS_FILE
     from speccache.format.view import is_view
     from speccache.read.verify import inspect_cache
 

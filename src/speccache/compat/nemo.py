@@ -55,9 +55,8 @@ from safetensors import SafetensorError
 
 from speccache.compat import offline_cache as oc
 from speccache.compat._base import DTYPES, batches, check_export_dir
-from speccache.data import SOURCE_ROW_KEY
 from speccache.errors import CacheFormatError, UsageError
-from speccache.format import LENGTHS_KEY, Manifest, ShardFile, shard_path, validate_contiguous_shards
+from speccache.format import LENGTHS_KEY, SOURCE_ROW_KEY, Manifest, ShardFile, shard_path, validate_contiguous_shards
 from speccache.format.durable import ensure_writable_dir, writes_to
 from speccache.methods import eagle3, layers
 from speccache.methods.base import read_side_file

@@ -156,8 +156,7 @@ def import_peer(
     """
     import json
 
-    from speccache.data import SOURCE_ROW_KEY
-    from speccache.format import LENGTHS_KEY
+    from speccache.format import LENGTHS_KEY, SOURCE_ROW_KEY
     from speccache.write import CacheWriter, SideFile
 
     if layout not in IMPORTS:

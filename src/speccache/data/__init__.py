@@ -1,50 +1,41 @@
-"""Chat data: rows read from files, rendered with the chat template, masked and tokenized."""
+"""Chat data: rows read from files, rendered with the chat template, masked and tokenized.
 
-from speccache.data.chat import (
-    DROPPED_FIELDS_FILE,
+Its modules: :mod:`~speccache.data.chat` (the load path: ``load_samples``, ``merge_parts``, ``tokenize_row``),
+:mod:`~speccache.data.template` (``ChatFormat``: rendering, turn location, masks),
+:mod:`~speccache.data.regenerated` (the directory ``speccache regenerate`` writes); behind them, private:
+``_files`` (file kinds, raw rows, data hashes), ``_messages`` (message normalisation), ``_samples`` (samples,
+skip and drop accounting), ``_encode`` (one row to samples), ``_pool`` (worker processes), ``_tokenizer``
+(tokenizer, template and tools files), ``_mistral`` (the mistral-common backend), ``_dropped`` (the fields a
+rendering drops), ``_failure`` (``RowFailure``).
+"""
+
+from speccache.data._failure import RowFailure
+from speccache.data._files import data_root, file_content_hash, is_hub_id, iter_rows
+from speccache.data._messages import chat_messages
+from speccache.data._samples import (
     DROPPED_MODES,
-    SAMPLE_TURN_KEY,
-    SKIPPED_ROWS_FILE,
-    SOURCE_ROW_KEY,
     DataStats,
     DroppedField,
     SkippedRow,
     TokenizedSample,
     TokenizedSamples,
-    chat_template_of,
     check_dropped_mode,
-    data_root,
     dropped_summary,
-    file_content_hash,
-    is_hub_id,
-    iter_rows,
-    load_samples,
-    merge_parts,
-    sample_turn_spec,
-    source_row_spec,
-    tokenize_row,
-    tokenizer_hash,
 )
-from speccache.data.template import (
-    REASONING_MODES,
-    TURN_MODES,
-    ChatFormat,
-    RowFailure,
-    chat_format,
+from speccache.data._tokenizer import (
+    chat_template_of,
     check_model_source,
     load_chat_tokenizer,
     load_template_file,
     load_tools_file,
-    today,
+    tokenizer_hash,
 )
+from speccache.data.chat import load_samples, merge_parts, tokenize_row
+from speccache.data.template import REASONING_MODES, TURN_MODES, ChatFormat, chat_format, today
 
 __all__ = [
-    "DROPPED_FIELDS_FILE",
     "DROPPED_MODES",
     "REASONING_MODES",
-    "SAMPLE_TURN_KEY",
-    "SKIPPED_ROWS_FILE",
-    "SOURCE_ROW_KEY",
     "ChatFormat",
     "DataStats",
     "DroppedField",
@@ -53,6 +44,7 @@ __all__ = [
     "TokenizedSample",
     "TokenizedSamples",
     "chat_format",
+    "chat_messages",
     "chat_template_of",
     "check_dropped_mode",
     "check_model_source",
@@ -66,8 +58,6 @@ __all__ = [
     "load_template_file",
     "load_tools_file",
     "merge_parts",
-    "sample_turn_spec",
-    "source_row_spec",
     "TURN_MODES",
     "today",
     "tokenize_row",

@@ -31,7 +31,6 @@ Character spans become token masks through the fast tokenizer's offsets.
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -41,108 +40,44 @@ from typing import Any
 
 import numpy as np
 
+from speccache.data._failure import RowFailure, unplaceable
+from speccache.data._messages import (
+    REASONING_FIELDS,
+    THINK,
+    has_reasoning,
+    reasoning_field,
+    split_reasoning,
+    with_system_prompt,
+)
+from speccache.data._mistral import MistralCommonFormat, mistral_common_mask, mistral_common_path, mistral_encoder
+from speccache.data._tokenizer import load_template_file, load_tools_file, tokenizer_template
 from speccache.errors import DataError, UsageError
 
 __all__ = [
-    "REASONING_FIELDS",
     "REASONING_MODES",
     "TURN_MODES",
     "ChatFormat",
-    "MistralCommonFormat",
-    "RowFailure",
     "chat_format",
     "conversation_samples",
-    "dropped_fields",
-    "load_chat_tokenizer",
-    "load_template_file",
-    "load_tools_file",
     "mask_conversation",
     "samples_and_text",
     "split_generated_reasoning",
     "text_after_turn",
     "today",
-    "tokenizer_template",
-    "tool_list",
 ]
 
 REASONING_MODES = ("keep", "mask")
 TURN_MODES = ("all", "last")
-REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
-INLINE_REASONING = "<think> in content"  # the dropped-field name of reasoning written inline in the content
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _DATE_USE = re.compile(r"strftime_now")
 # What str.isspace() calls whitespace, as code points, so a whole rendering is classified at once.
 _WHITESPACE = np.array([c for c in range(0x3001) if chr(c).isspace()], dtype=np.uint32)
-_THINK = re.compile(r"^\s*<think>(.*?)</think>(.*)$", re.DOTALL)
 _DATE_FORMAT = "%Y-%m-%d"
-
-
-class RowFailure(DataError):
-    """One row cannot be used; ``reason`` is the short snake_case name it is counted under when skipped."""
-
-    def __init__(self, message: str, reason: str = "malformed") -> None:
-        super().__init__(message)
-        self.reason = reason  # kept across pickling (worker processes, ranks) by the exception's __dict__
 
 
 def today() -> str:
     """Today's date as ``YYYY-MM-DD`` (the date pinned for templates that render it)."""
     return datetime.now().strftime(_DATE_FORMAT)
-
-
-def load_template_file(path: str) -> str:
-    """Read a ``--chat-template`` Jinja file.
-
-    Raises:
-        DataError: the file cannot be read as UTF-8 text.
-    """
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"--chat-template {path}: cannot read the template ({e}); pass a UTF-8 Jinja file") from e
-
-
-def tool_list(value: Any, what: str) -> list[dict]:
-    """``value`` as a list of tool schema objects; a JSON string of one is decoded (as some datasets store it).
-
-    Raises:
-        RowFailure: it is neither (the message starts with ``what``).
-    """
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise RowFailure(f"{what} is a string but not JSON ({e.msg}); give a list of tool schemas") from e
-    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        raise RowFailure(
-            f'{what} must be a list of tool schema objects ({{"type": "function", "function": {{...}}}}), '
-            f"got {type(value).__name__}; fix it"
-        )
-    return value
-
-
-def load_tools_file(path: str) -> list[dict]:
-    """Read a ``--tools`` file: a JSON list of tool schemas, rendered for every row that has none.
-
-    Raises:
-        DataError: the file cannot be read or is not such a list.
-    """
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"--tools {path}: cannot read the file ({e}); pass a UTF-8 JSON file") from e
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError(
-            f"--tools {path}:{e.lineno}: invalid JSON ({e.msg}); the file holds one JSON list of tool schemas"
-        ) from e
-    try:
-        return tool_list(value, f"--tools {path}")
-    except RowFailure as e:
-        raise DataError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -270,174 +205,12 @@ class ChatFormat:
 
     def with_system_prompt(self, messages: list[dict]) -> list[dict]:
         """``messages`` with :attr:`system_prompt` prepended when they have no system message."""
-        if self.system_prompt is None or any(m["role"] == "system" for m in messages):
-            return messages
-        return [{"role": "system", "content": self.system_prompt}, *messages]
-
-
-@dataclass(frozen=True)
-class MistralCommonFormat:
-    """How chat rows become tokens and masks for a tokenizer with no Jinja template (``MistralCommonBackend``).
-
-    Rows are encoded by ``mistral-common``'s own chat requests (fine-tuning validation, which takes a final
-    assistant message), as Mistral's serving stack encodes them; each assistant message's tokens, as its
-    encoder writes them, are located in the whole. Attributes as :class:`ChatFormat`'s.
-    """
-
-    tokenizer_path: str
-    reasoning: str
-    system_prompt: str | None
-    date: str
-    tools: list[dict] | None = None
-    turns: str = "all"
-    expand_turns: bool = False
-    template: str = ""  # no Jinja template: recorded as the hash of nothing
-    uses_date = False
-
-    def with_system_prompt(self, messages: list[dict]) -> list[dict]:
-        """``messages`` with :attr:`system_prompt` prepended when they have no system message."""
-        return ChatFormat.with_system_prompt(self, messages)  # type: ignore[arg-type]
-
-    def encode(self, messages: list[dict], where: str, tools: Any) -> tuple[list[int], list[list[int]]]:
-        """The conversation's tokens and, in order, each assistant message's own tokens.
-
-        Raises:
-            RowFailure: mistral-common refuses the conversation (reason ``template_error``).
-        """
-        from mistral_common.protocol.instruct.request import ChatCompletionRequest
-
-        encoder = _mistral_encoder(self.tokenizer_path)
-        instruct = encoder.instruct_tokenizer
-        assistant: list[list[int]] = []
-        encode_assistant = instruct.encode_assistant_message
-
-        def recording(*args: Any, **kwargs: Any) -> list[int]:
-            tokens = encode_assistant(*args, **kwargs)
-            assistant.append(list(tokens))
-            return tokens
-
-        instruct.encode_assistant_message = recording  # an instance attribute: this encoder only, this call
-        try:
-            request = ChatCompletionRequest.from_openai(messages=messages, tools=tools or None)
-            tokens = list(encoder.encode_chat_completion(request).tokens)
-        except Exception as e:  # mistral-common's validation raises its own exception types and pydantic's
-            raise RowFailure(
-                f"{where}: mistral-common rejected the conversation ({type(e).__name__}: {e}); fix the row's "
-                "roles or order, or skip such rows with --skip-bad-rows",
-                "template_error",
-            ) from e
-        finally:
-            del instruct.encode_assistant_message
-        return tokens, assistant
-
-
-@lru_cache(maxsize=4)
-def _mistral_encoder(path: str) -> Any:
-    from mistral_common.protocol.instruct.validator import ValidationMode
-    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
-
-    return MistralTokenizer.from_file(path, mode=ValidationMode.finetuning)
-
-
-def _mistral_common_mask(
-    fmt: MistralCommonFormat, messages: list[dict], where: str, tools: Any, turns: str
-) -> tuple[np.ndarray, np.ndarray]:
-    tokens, assistant = fmt.encode(messages, where, tools)
-    mask = np.zeros(len(tokens), dtype=np.uint8)
-    spans, pos = [], 0
-    for piece in assistant:
-        at = next((i for i in range(pos, len(tokens) - len(piece) + 1) if tokens[i : i + len(piece)] == piece), -1)
-        if at < 0:
-            raise _unplaceable(where, "an assistant message's tokens are not in the encoded conversation")
-        spans.append((at, at + len(piece)))
-        pos = at + len(piece)
-    for a, b in spans[-1:] if turns == "last" else spans:
-        mask[a:b] = 1
-    return np.asarray(tokens, dtype=np.int32), mask
+        return with_system_prompt(messages, self.system_prompt)
 
 
 @lru_cache(maxsize=16)
 def _alternation(tokens: tuple[str, ...]) -> re.Pattern[str]:
     return re.compile("|".join(re.escape(t) for t in tokens) or r"(?!)")
-
-
-def tokenizer_template(tokenizer: Any) -> str | None:
-    try:
-        return tokenizer.get_chat_template()
-    except (ValueError, NotImplementedError, AttributeError):
-        return None
-
-
-def check_model_source(model: str, flag: str = "--model") -> None:
-    """Refuse, within seconds, a model that is neither a local directory nor a hub id this machine can load.
-
-    A name that is no directory is read as a hub id (``name`` or ``org/name``): it passes when the local
-    Hugging Face cache holds it, or when the hub answers for it; offline (``HF_HUB_OFFLINE``) or unreachable,
-    transformers would otherwise spend half a minute in retries before saying so.
-
-    Raises:
-        FileNotFoundError: neither reading gives a model; the message names both and the fix.
-    """
-    if os.path.isdir(model):
-        return
-    if os.path.exists(model):
-        raise FileNotFoundError(f"{flag} {model} is a file; give the model's directory")
-    missing = f"{flag} {model}: no such model directory"
-    if model.startswith((".", "/", "~")) or model.count("/") > 1 or not model.strip("/"):
-        raise FileNotFoundError(f"{missing}; fix the path")
-    import huggingface_hub
-    from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
-
-    try:
-        cached = huggingface_hub.try_to_load_from_cache(model, "config.json")
-    except HFValidationError:  # not a valid hub id either
-        raise FileNotFoundError(f"{missing}; fix the path") from None
-    if isinstance(cached, str):
-        return
-    hub = f"and as a hub id it is not in the local Hugging Face cache ({huggingface_hub.constants.HF_HUB_CACHE})"
-    fix = f"give the model's local directory, or download it first (hf download {model})"
-    if huggingface_hub.constants.HF_HUB_OFFLINE:
-        raise FileNotFoundError(f"{missing}, {hub} and HF_HUB_OFFLINE is set; {fix}")
-    try:
-        huggingface_hub.model_info(model, timeout=10)
-    except RepositoryNotFoundError:
-        raise FileNotFoundError(f"{missing}, {hub} nor on the hub (or it is private: log in); {fix}") from None
-    except Exception as exc:  # noqa: BLE001 - the hub client's network errors come from its own HTTP library
-        raise FileNotFoundError(f"{missing}, {hub}, and the hub cannot be reached ({exc}); {fix}") from None
-
-
-def load_chat_tokenizer(model: str, template_file: str | None = None) -> Any:
-    """Load ``model``'s tokenizer as a fast tokenizer, the kind whose offsets the masks need.
-
-    ``AutoTokenizer`` may give a backend without ``get_chat_template`` or offsets (``MistralCommonBackend``
-    when ``mistral-common`` is installed and the folder has ``tekken.json``); then the folder's tokenizer is
-    loaded as a ``PreTrainedTokenizerFast`` instead, where it has a chat template (or ``template_file``, the
-    ``--chat-template``, gives one). Otherwise a ``MistralCommonBackend`` is kept: its rows are encoded by
-    mistral-common itself (:class:`MistralCommonFormat`).
-
-    Raises:
-        DataError: neither a fast tokenizer nor a ``MistralCommonBackend`` can be loaded from the folder.
-    """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    if getattr(tokenizer, "is_fast", False) and hasattr(tokenizer, "backend_tokenizer"):
-        return tokenizer
-    try:
-        fast = PreTrainedTokenizerFast.from_pretrained(model)
-    except (OSError, ValueError) as e:
-        fast, error = None, e
-    if fast is not None and (template_file or tokenizer_template(fast) is not None):
-        return fast
-    if _mistral_common_path(tokenizer) is not None:
-        return tokenizer
-    if fast is not None:
-        return fast
-    raise DataError(
-        f"--model {model}: the tokenizer loads as {type(tokenizer).__name__}, which gives neither a chat "
-        "template nor token offsets, and the folder has no loadable tokenizer.json; add the model's "
-        f"tokenizer.json (a Hugging Face fast tokenizer) to the folder ({error})"
-    ) from error
 
 
 def chat_format(
@@ -459,7 +232,7 @@ def chat_format(
     template = load_template_file(template_file) if template_file else tokenizer_template(tokenizer)
     tools = load_tools_file(tools_file) if tools_file else None
     if template is None:
-        path = _mistral_common_path(tokenizer)
+        path = mistral_common_path(tokenizer)
         if path is None:
             return None
         return MistralCommonFormat(path, reasoning, system_prompt, date or today(), tools, turns, expand_turns)
@@ -476,30 +249,6 @@ def _check_syntax(template: str, source: str) -> None:
         _compile_jinja_template(template)
     except TemplateSyntaxError as e:
         raise DataError(f"{source}: line {e.lineno}: not a valid Jinja template ({e.message}); fix the template") from e
-
-
-def _mistral_common_path(tokenizer: Any) -> str | None:
-    """The tokenizer file of a ``MistralCommonBackend`` (rows are then encoded by mistral-common), else None."""
-    path = getattr(tokenizer, "_tokenizer_path", None)
-    inner = getattr(tokenizer, "__dict__", {}).get("tokenizer")
-    return str(path) if path is not None and hasattr(inner, "encode_chat_completion") else None
-
-
-def _split_reasoning(content: Any) -> tuple[str | None, Any]:
-    found = _THINK.match(content) if isinstance(content, str) else None
-    if found is None or not found.group(1).strip():
-        return None, content
-    return found.group(1), found.group(2)
-
-
-def _reasoning_field(message: Mapping[str, Any]) -> str | None:
-    """The field that carries an assistant message's reasoning (``reasoning_content``, ...), or None."""
-    return next((k for k in REASONING_FIELDS if isinstance(message.get(k), str)), None)
-
-
-def _has_reasoning(message: Mapping[str, Any]) -> bool:
-    field = _reasoning_field(message)
-    return bool(message[field].strip()) if field else _split_reasoning(message.get("content"))[0] is not None
 
 
 @dataclass
@@ -533,9 +282,9 @@ def _sentinel_messages(messages: list[dict]) -> tuple[list[dict], dict[str, tupl
             out.append(message)
             continue
         shadow = dict(message)
-        field = _reasoning_field(message)
+        field = reasoning_field(message)
         content = message.get("content")
-        inline, _ = _split_reasoning(content) if field is None else (None, content)
+        inline, _ = split_reasoning(content) if field is None else (None, content)
         if field is not None and message[field].strip():
             thought = mark(turn, "R")
             shadow.update({k: thought for k in REASONING_FIELDS if isinstance(message.get(k), str)})
@@ -564,9 +313,9 @@ def _locate(fmt: ChatFormat, messages: list[dict], text: str, where: str, tools:
     found = parts[1::2]
     once = [s for s in found if marks[s][1] != "F"]
     if len(once) != len(set(once)):
-        raise _unplaceable(where, "the template renders an assistant message more than once")
+        raise unplaceable(where, "the template renders an assistant message more than once")
     if not text.startswith(parts[0]):
-        raise _unplaceable(where, "the rendering does not start like the sentinel rendering")
+        raise unplaceable(where, "the rendering does not start like the sentinel rendering")
     turns: dict[int, list[_Gap]] = {}
     seen: set[str] = set()
     pos, before = len(parts[0]), 0
@@ -575,13 +324,13 @@ def _locate(fmt: ChatFormat, messages: list[dict], text: str, where: str, tools:
         if 2 * i + 3 >= len(parts):
             end = len(text) - len(after)
             if end < pos or not text.endswith(after):
-                raise _unplaceable(where, "the rendering does not end like the sentinel rendering")
+                raise unplaceable(where, "the rendering does not end like the sentinel rendering")
         elif after:
             end = text.find(after, pos)
             if end < 0:
-                raise _unplaceable(where, "template text around an assistant message changes with its content")
+                raise unplaceable(where, "template text around an assistant message changes with its content")
         else:
-            raise _unplaceable(where, "two assistant parts are rendered with nothing between them")
+            raise unplaceable(where, "two assistant parts are rendered with nothing between them")
         if sentinel not in seen:
             seen.add(sentinel)
             turn, kind = marks[sentinel]
@@ -681,7 +430,7 @@ def text_after_turn(fmt: ChatFormat, messages: list[dict], where: str, tools: An
     answer = next((s for s, mark in marks.items() if mark == (last, "A")), None)
     text, _ = fmt.render(shadow, where, tools, generation_prompt=fmt.has_generation_prompt)
     if answer is None or text.count(answer) != 1:
-        raise _unplaceable(where, "the template does not render the last answer once")
+        raise unplaceable(where, "the template does not render the last answer once")
     after = text.split(answer, 1)[1]
     return after[_end_of_turn(after, fmt.end_tokens) :]
 
@@ -697,7 +446,7 @@ def split_generated_reasoning(fmt: ChatFormat, prompt: str, text: str) -> tuple[
     if "reasoning_content" not in fmt.template and "</think>" not in fmt.template:
         return None, text
     opened = "<think>" if prompt.rstrip().endswith("<think>") else ""
-    found = _THINK.match(opened + text)
+    found = THINK.match(opened + text)
     if found is None:
         return None, text
     # an empty block (Qwen3 with thinking off) leaves no reasoning, and no tags in the content either
@@ -711,14 +460,6 @@ def _end_of_turn(scaffolding: str, end_tokens: tuple[str, ...]) -> int:
         if stripped.startswith(token):
             return len(scaffolding) - len(stripped) + len(token)
     return 0
-
-
-def _unplaceable(where: str, why: str) -> RowFailure:
-    return RowFailure(
-        f"{where}: cannot locate the assistant turns in the rendered conversation ({why}); pass a --chat-template "
-        "that marks assistant output with {% generation %}, or skip such rows with --skip-bad-rows",
-        "mask_unplaceable",
-    )
 
 
 def _solid_prefix(text: str) -> np.ndarray:
@@ -789,11 +530,11 @@ def _masked_text(
     tools = fmt.tools if tools is None else tools
     turns = turns or fmt.turns
     if isinstance(fmt, MistralCommonFormat):
-        ids, mask = _mistral_common_mask(fmt, messages, where, tools, turns)
+        ids, mask = mistral_common_mask(fmt, messages, where, tools, turns)
         # Decoded without the special tokens: with them, SentencePiece's "▁" stays in place of spaces.
-        return ids, mask, _mistral_encoder(fmt.tokenizer_path).decode(ids.tolist())
+        return ids, mask, mistral_encoder(fmt.tokenizer_path).decode(ids.tolist())
     use_markers = fmt.has_generation_markers and not (
-        fmt.reasoning == "mask" and any(_has_reasoning(m) for m in messages if m["role"] == "assistant")
+        fmt.reasoning == "mask" and any(has_reasoning(m) for m in messages if m["role"] == "assistant")
     )
     text, spans = fmt.render(messages, where, tools, track=use_markers)
     if not use_markers:
@@ -845,71 +586,3 @@ def samples_and_text(
         for k, end in enumerate(ends)
     ]
     return [(k, ids, mask) for k, (ids, mask, _) in enumerate(done)], "\n".join(text for _, _, text in done)
-
-
-def _squashed(text: str) -> str:
-    return "".join(text.split())
-
-
-def _leaves(value: Any) -> list[Any]:
-    """The leaf values of a tool call's arguments (or a text itself)."""
-    if isinstance(value, dict):
-        return [leaf for v in value.values() for leaf in _leaves(v)]
-    if isinstance(value, list):
-        return [leaf for v in value for leaf in _leaves(v)]
-    return [value]
-
-
-def _written(value: Any, text: str) -> bool:
-    """Whether squashed ``text`` holds ``value`` as a template may write it: raw, as JSON (either escaping, as a
-    tool result through ``tojson``) or as Python would; the other forms are built only when the raw one is absent."""
-    if not isinstance(value, str):
-        return json.dumps(value) in text or str(value) in text
-    if _squashed(value) in text:
-        return True
-    forms = (json.dumps(value, ensure_ascii=False)[1:-1], json.dumps(value)[1:-1], repr(value)[1:-1])
-    return any(_squashed(form) in text for form in forms)
-
-
-def dropped_fields(messages: list[dict], tools: list[dict] | None, rendered: str) -> list[tuple[int, str]]:
-    """What a conversation carries that its rendering lacks, as ``(message index, field)`` (index -1: ``tools``).
-
-    Whitespace is ignored (templates trim and re-indent): a content or reasoning is rendered if its text
-    appears; a tool call if its function name and each of its arguments' values appear, raw or as JSON or
-    Python writes them; a tool schema of ``tools`` if its name appears. Empty texts are never dropped.
-
-    Args:
-        messages: the row's OpenAI-form messages, as :func:`~speccache.data.chat_messages` gives them.
-        tools: the tool schemas rendered with them (None: none).
-        rendered: the text the template wrote for them (or the decoded tokens).
-
-    Returns:
-        The dropped fields in message order: ``content``, ``tool_calls``, the reasoning field's name
-        (``reasoning_content``...), :data:`INLINE_REASONING`, or ``tools``.
-    """
-    text = _squashed(rendered)
-
-    def shown(value: Any) -> bool:  # a text may be written as JSON (a tool result through tojson) or as Python would
-        return value is None or all(_written(leaf, text) for leaf in _leaves(value))
-
-    out: list[tuple[int, str]] = []
-    names = [t.get("function", t).get("name") for t in tools or ()]
-    if not all(shown(name) for name in names):
-        out.append((-1, "tools"))
-    for i, message in enumerate(messages):
-        assistant = message["role"] == "assistant"
-        field = _reasoning_field(message) if assistant else None
-        content = message.get("content")
-        inline, content = _split_reasoning(content) if assistant and field is None else (None, content)
-        if not shown(content):
-            out.append((i, "content"))
-        if field is not None and not shown(message[field]):
-            out.append((i, field))
-        if inline is not None and not shown(inline):
-            out.append((i, INLINE_REASONING))
-        for call in message.get("tool_calls") or () if assistant else ():
-            function = call["function"]
-            if not shown(function["name"]) or not shown(function.get("arguments")):
-                out.append((i, "tool_calls"))
-                break
-    return out

@@ -25,11 +25,15 @@ from speccache.format.encoding import get_encoding, part_name
 from speccache.format.lock import LOCK_NAME, CacheLock
 from speccache.format.manifest import Manifest, ShardRecord, SideFileRecord, load_manifest_json
 from speccache.format.names import (
+    DROPPED_FIELDS_FILE,
     FORMAT_VERSION,
     LENGTHS_KEY,
     MANIFEST_NAME,
     OFFSETS_KEY,
+    SAMPLE_TURN_KEY,
     SHARD_RE,
+    SKIPPED_ROWS_FILE,
+    SOURCE_ROW_KEY,
     STAT_PREFIX,
     TMP_MARK,
     ceil_div,
@@ -42,15 +46,19 @@ from speccache.format.names import (
     validate_contiguous_shards,
 )
 from speccache.format.safetensors_file import ShardFile, WrittenFile, safetensors_prefix, write_safetensors
-from speccache.format.schema import KeySpec, Schema, dtype_from_name, dtype_name
+from speccache.format.schema import KeySpec, Schema, dtype_from_name, dtype_name, sample_turn_spec, source_row_spec
 from speccache.format.shard import NativeShard, expected_parts, write_shard_file
 
 __all__ = [
+    "DROPPED_FIELDS_FILE",
     "FORMAT_VERSION",
     "LENGTHS_KEY",
     "LOCK_NAME",
     "MANIFEST_NAME",
     "OFFSETS_KEY",
+    "SAMPLE_TURN_KEY",
+    "SKIPPED_ROWS_FILE",
+    "SOURCE_ROW_KEY",
     "STAT_PREFIX",
     "SHARD_RE",
     "TMP_MARK",
@@ -79,8 +87,10 @@ __all__ = [
     "part_name",
     "remove_temp_files",
     "safetensors_prefix",
+    "sample_turn_spec",
     "shard_path",
     "shard_samples",
+    "source_row_spec",
     "tensor_checksum",
     "write_bytes_file",
     "temp_path",

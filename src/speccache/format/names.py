@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from speccache.errors import CacheExistsError, CacheFormatError, UsageError
 
 __all__ = [
+    "DROPPED_FIELDS_FILE",
     "FORMAT_VERSION",
     "LENGTHS_KEY",
     "LOCK_GUARD_NAME",
@@ -24,7 +25,10 @@ __all__ = [
     "MAX_SHARDS",
     "OFFSETS_KEY",
     "RECLAIM_RE",
+    "SAMPLE_TURN_KEY",
     "SHARD_RE",
+    "SKIPPED_ROWS_FILE",
+    "SOURCE_ROW_KEY",
     "STAT_PREFIX",
     "TEMP_RE",
     "TMP_MARK",
@@ -73,6 +77,14 @@ MAX_ELEMENTS = 2**62
 """Bound on a tensor's element count (of its non-zero dimensions): beyond it torch's strides overflow."""
 MAX_SHARDS = 1_000_000
 """Shard names have six digits."""
+SOURCE_ROW_KEY = "source_row"
+"""Fixed int64 key: each sample's 0-based row in the data file (every method's schema has it)."""
+SAMPLE_TURN_KEY = "sample_turn"
+"""Fixed int64 key of an --expand-turns cache: each sample's 0-based assistant turn."""
+SKIPPED_ROWS_FILE = "skipped_rows.jsonl"
+"""Side file: the data rows a producer left out, one JSON object per line (docs/format.md)."""
+DROPPED_FIELDS_FILE = "dropped_fields.jsonl"
+"""Side file: the fields of kept rows that the chat template drops from their rendering, one per line."""
 
 
 def shard_path(cache_dir: str, shard_index: int) -> str:

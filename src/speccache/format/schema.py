@@ -11,7 +11,7 @@ import torch
 
 from speccache.errors import CacheFormatError
 from speccache.format.encoding import get_encoding
-from speccache.format.names import MAX_ELEMENTS
+from speccache.format.names import MAX_ELEMENTS, SAMPLE_TURN_KEY, SOURCE_ROW_KEY
 
 __all__ = [
     "KeySpec",
@@ -20,8 +20,10 @@ __all__ = [
     "dtype_name",
     "dtype_of_safetensors_code",
     "safetensors_code",
+    "sample_turn_spec",
     "schema_from_json",
     "schema_to_json",
+    "source_row_spec",
 ]
 
 _DTYPES: dict[str, tuple[torch.dtype, str]] = {
@@ -127,6 +129,19 @@ class KeySpec:
 
 
 Schema = dict[str, KeySpec]
+
+
+def source_row_spec() -> KeySpec:
+    """The fixed int64 key under which every sample records its 0-based row in the data file.
+
+    Every method's schema adds it, and its ``compute_batch`` copies the batch's ``source_row`` column.
+    """
+    return KeySpec(SOURCE_ROW_KEY, torch.int64, ())
+
+
+def sample_turn_spec() -> KeySpec:
+    """The fixed int64 key under which an --expand-turns cache records each sample's 0-based assistant turn."""
+    return KeySpec(SAMPLE_TURN_KEY, torch.int64, ())
 
 
 def schema_to_json(schema: Schema) -> dict[str, Any]:

@@ -52,9 +52,18 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
-from speccache.data import SOURCE_ROW_KEY, TokenizedSamples, source_row_spec
+from speccache.data import TokenizedSamples
 from speccache.errors import CacheFormatError, ConfigMismatchError, UsageError
-from speccache.format import LENGTHS_KEY, STAT_PREFIX, KeySpec, Schema, ShardFile, tensor_checksum
+from speccache.format import (
+    LENGTHS_KEY,
+    SOURCE_ROW_KEY,
+    STAT_PREFIX,
+    KeySpec,
+    Schema,
+    ShardFile,
+    source_row_spec,
+    tensor_checksum,
+)
 from speccache.methods.base import (
     CaptureRequest,
     LoadedTarget,

@@ -47,9 +47,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
-from speccache.data import SOURCE_ROW_KEY, source_row_spec
 from speccache.errors import CacheFormatError, UsageError
-from speccache.format import LENGTHS_KEY, KeySpec, Schema
+from speccache.format import LENGTHS_KEY, SOURCE_ROW_KEY, KeySpec, Schema, source_row_spec
 from speccache.methods.base import (
     TIED_KEY,
     CaptureRequest,

@@ -30,9 +30,18 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from speccache.data import DROPPED_FIELDS_FILE, SAMPLE_TURN_KEY, SKIPPED_ROWS_FILE, SOURCE_ROW_KEY
 from speccache.errors import CacheCorruptError, CacheExistsError, CacheIncompleteError, DataError
-from speccache.format import Manifest, NativeShard, load_manifest_json, manifest_path, shard_path
+from speccache.format import (
+    DROPPED_FIELDS_FILE,
+    SAMPLE_TURN_KEY,
+    SKIPPED_ROWS_FILE,
+    SOURCE_ROW_KEY,
+    Manifest,
+    NativeShard,
+    load_manifest_json,
+    manifest_path,
+    shard_path,
+)
 from speccache.read.view import CACHE_DATA_FIELDS
 from speccache.read.view import DATA_FIELDS as VIEW_DATA_FIELDS
 

@@ -52,11 +52,11 @@ from typing import Any
 
 import torch
 
-from speccache.data import SOURCE_ROW_KEY, load_chat_tokenizer, tokenizer_hash
+from speccache.data import load_chat_tokenizer, tokenizer_hash
 from speccache.devices import target_device
 from speccache.engines.hf import load_target
 from speccache.errors import AuditError, SpeccacheError
-from speccache.format import LENGTHS_KEY, Manifest
+from speccache.format import LENGTHS_KEY, SOURCE_ROW_KEY, Manifest
 from speccache.methods.base import LoadedTarget, model_config_hash
 from speccache.methods.eagle3 import CACHE_NAME as EAGLE3
 from speccache.methods.eagle3 import SIDE_FILE as EAGLE3_SIDE

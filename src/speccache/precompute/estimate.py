@@ -48,8 +48,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from speccache.data import DROPPED_FIELDS_FILE, SKIPPED_ROWS_FILE, DataStats, dropped_summary
-from speccache.format import OFFSETS_KEY, KeySpec, Schema, get_encoding, part_name, safetensors_prefix
+from speccache.data import DataStats, dropped_summary
+from speccache.format import (
+    DROPPED_FIELDS_FILE,
+    OFFSETS_KEY,
+    SKIPPED_ROWS_FILE,
+    KeySpec,
+    Schema,
+    get_encoding,
+    part_name,
+    safetensors_prefix,
+)
 from speccache.format.shard import shard_metadata
 from speccache.methods.base import tied_metadata, ties_embeddings
 from speccache.methods.eagle3 import CACHE_NAME, Supervision, sample_stat_names

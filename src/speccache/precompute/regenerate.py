@@ -34,13 +34,13 @@ import xxhash
 
 from speccache.data import (
     chat_format,
+    chat_messages,
     check_model_source,
     file_content_hash,
     iter_rows,
     load_chat_tokenizer,
     tokenizer_hash,
 )
-from speccache.data.chat import chat_messages
 from speccache.data.regenerated import (
     REGENERATE_FORMAT,
     REGENERATE_NAME,

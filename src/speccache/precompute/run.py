@@ -26,10 +26,7 @@ import xxhash
 from torch.utils.data import DataLoader, Dataset
 
 from speccache.data import (
-    DROPPED_FIELDS_FILE,
     REASONING_MODES,
-    SAMPLE_TURN_KEY,
-    SKIPPED_ROWS_FILE,
     TURN_MODES,
     DataStats,
     TokenizedSamples,
@@ -43,7 +40,6 @@ from speccache.data import (
     load_chat_tokenizer,
     load_samples,
     merge_parts,
-    sample_turn_spec,
     tokenizer_hash,
 )
 from speccache.devices import target_device
@@ -51,12 +47,16 @@ from speccache.engines.base import add_gpu_memory_utilization_argument, check_gp
 from speccache.engines.registry import engine_class
 from speccache.errors import DataError, SpeccacheError, UsageError
 from speccache.format import (
+    DROPPED_FIELDS_FILE,
     LENGTHS_KEY,
+    SAMPLE_TURN_KEY,
+    SKIPPED_ROWS_FILE,
     Manifest,
     Schema,
     existing_shard_indices,
     load_manifest_json,
     manifest_path,
+    sample_turn_spec,
     shard_samples,
 )
 from speccache.format.encoding import parse_encodings
