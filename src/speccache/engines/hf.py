@@ -23,6 +23,7 @@ The forward is :func:`speccache.methods.decoder.forward_capturing` over the load
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import logging
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 
 from speccache.devices import target_device
-from speccache.engines.base import EngineSettings
+from speccache.engines.base import EngineSettings, check_gpu_memory_utilization
 from speccache.errors import UsageError
 from speccache.methods.base import DTYPES, CaptureRequest, LoadedTarget
 from speccache.methods.decoder import decoder_calls, decoder_layers, forward_capturing
@@ -127,9 +128,31 @@ class HfEngine:
     pads = True
 
     @classmethod
+    def add_arguments(cls, p: argparse.ArgumentParser) -> None:
+        """``--threads``, ``--shard-target`` and ``--tp-size``."""
+        p.add_argument(
+            "--threads",
+            type=int,
+            help="torch CPU threads (default: torch's own, which follows OMP_NUM_THREADS and the CPU affinity); "
+            "warns when the CPUs are oversubscribed",
+        )
+        p.add_argument(
+            "--shard-target",
+            help="under torchrun: replicate (a whole target per rank, default), fsdp (FSDP2 over all ranks) "
+            "or tp (tensor parallel over groups of --tp-size ranks)",
+        )
+        p.add_argument(
+            "--tp-size",
+            type=int,
+            help="--shard-target tp: ranks per tensor-parallel group (default: all); world_size / T groups split the "
+            "data",
+        )
+
+    @classmethod
     def check_flags(cls, cfg: EngineSettings) -> None:
-        """Check ``--shard-target``, ``--tp-size`` and ``--threads``; refuse vLLM's ``--tensor-parallel-size`` and
-        ``--enable-expert-parallel``."""
+        """Check ``--shard-target``, ``--tp-size`` and ``--threads``; refuse vLLM's ``--tensor-parallel-size``,
+        ``--enable-expert-parallel`` and ``--gpu-memory-utilization``."""
+        check_gpu_memory_utilization(cfg.gpu_memory_utilization, cls.name)
         check_shard_target(cfg.shard_target, cfg.tp_size)
         if cfg.tensor_parallel_size != 1:
             raise UsageError("--tensor-parallel-size is vLLM's: use it with --engine vllm (or --shard-target tp)")
