@@ -348,6 +348,7 @@ def _batches(
     comm: Comm,
     groups: DataParallelGroups,
 ) -> _Batches:
+    """How this rank computes its shards of ``plan`` with the method's ``target``."""
     loader = token_loader(plan.samples, extension, cfg.batch_size, batch_pad_id(plan.tokenizer))
     sorted_plan = functools.partial(_sorted_shard_plan, loader, cfg) if cfg.batching == "sorted" else None
     # A forward that is a collective of all ranks (fsdp) needs every rank to take the same number of steps;
