@@ -100,7 +100,7 @@ def precompute(
 ) -> tuple[float, Manifest]:
     """One ``run_precompute`` of ``setting`` (``PrecomputeConfig`` fields) into a fresh ``out``: its wall seconds
     and the sealed manifest."""
-    from speccache.precompute.run import PrecomputeConfig, run_precompute
+    from speccache.precompute import PrecomputeConfig, run_precompute
 
     shutil.rmtree(out, ignore_errors=True)
     cfg = PrecomputeConfig(model=model, data=data, out=out, max_length=max_length, batch_size=8, dtype="fp32",
@@ -175,7 +175,8 @@ def padding_by_shard_size(
     lengths: list[int], settings: list[tuple[str, dict]], sizes: tuple[int, ...]
 ) -> dict[int, list[float]]:
     """Per shard size, computed / real tokens of each setting on samples of these ``lengths`` (no model)."""
-    from speccache.precompute.run import PrecomputeConfig, computed_tokens
+    from speccache.precompute import PrecomputeConfig
+    from speccache.precompute.report import computed_tokens
 
     def ratio(size: int, setting: dict) -> float:
         cfg = PrecomputeConfig(model="", data="", out="", shard_size=size, **setting)

@@ -51,7 +51,9 @@ def main() -> None:
     from speccache.engines.vllm import VllmEngine, vllm_layer_ids, vllm_version
     from speccache.methods.decoder import final_norm
     from speccache.methods.eagle3 import Eagle3Target, Supervision
-    from speccache.precompute.run import PrecomputeConfig, TokenizedDataset, batch_pad_id, make_plan, pad_tokens
+    from speccache.precompute import PrecomputeConfig
+    from speccache.precompute._tokens import TokenizedDataset, batch_pad_id, pad_tokens
+    from speccache.precompute.run import make_plan
 
     torch.set_num_threads(args.threads)
     model_dir = args.model or build_tiny_model_dir("bench-out/engines-llama32", "llama", head_dim=32)

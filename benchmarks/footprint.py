@@ -36,9 +36,9 @@ from speccache.demo import demo_data_path, ensure_demo_target
 from speccache.format.encoding import get_encoding
 from speccache.format.encoding.fp8 import fp8_error
 from speccache.format.encoding.zbf16 import zbf16_plane_stats
-from speccache.methods.eagle3 import Supervision, eagle3_schema
+from speccache.methods.eagle3 import Supervision, eagle3_schema, padded_probs_token_bytes
+from speccache.precompute import PrecomputeConfig, make_plan, run_precompute
 from speccache.precompute.estimate import ZBF16_HI_FRACTION, estimate_cache, estimate_shards, side_file_bytes
-from speccache.precompute.run import PrecomputeConfig, make_plan, padded_probs_bytes, run_precompute
 from speccache.read import CacheDataset
 from speccache.read.verify import inspect_cache
 from speccache.write.dist import LocalComm
@@ -159,7 +159,7 @@ def measure_demo(work: str) -> dict[str, Any]:
     plan = make_plan(PrecomputeConfig(model=target, data=demo_data_path(), out=""))
     out["lengths"] = [len(s.input_ids) for s in plan.samples]
     out["hidden"] = plan.hidden_size
-    out["draft_vocab"] = plan.draft_vocab_size
+    out["draft_vocab"] = plan.method_plan.draft_vocab_size
     out["max_length"] = plan.cfg.max_length
     # zbf16 against the entropy bound on the demo target's real features (read back from the raw cache).
     raw = CacheDataset(out["runs"]["raw"]["dir"])
@@ -289,7 +289,7 @@ def realistic(codecs: dict[str, Any], pickle_extra: int) -> dict[str, Any]:
         fractions = {k: codecs[k]["hi_fraction"] for k in FLOAT_KEYS}
         shards = estimate_shards(schema, lengths.tolist(), REAL["shard_size"], fractions)
         sizes[name] = {"shards": shards["total"], "side": side, "total": shards["total"] + side}
-    padded = padded_probs_bytes(len(lengths), REAL["max_length"], hidden, draft, 2)
+    padded = len(lengths) * REAL["max_length"] * padded_probs_token_bytes(hidden, draft, 2)
     pickles = pickle_layout_bytes(lengths.tolist(), hidden, pickle_extra)
     return {
         "lengths": lengths,
@@ -341,7 +341,7 @@ def report(
     w(
         "* **padded full-probability**: what other tools write for EAGLE-3: per token the three aux hidden states and "
         "the target's probabilities over the draft vocabulary (bf16), int64 input ids and a one-byte loss mask, every "
-        "sample padded to the maximum length (`speccache.precompute.padded_probs_bytes`)."
+        "sample padded to the maximum length (`speccache.methods.eagle3.padded_probs_token_bytes`)."
     )
     w(
         f"* **pickle per sample**: one `torch.save` file per sample holding the same hidden states as speccache "

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from speccache.compat.peers import export_peer
 from speccache.demo import demo_data_path, ensure_demo_target
 from speccache.methods.eagle3 import default_aux_layers
-from speccache.precompute.run import PrecomputeConfig, run_precompute
+from speccache.precompute import PrecomputeConfig, run_precompute
 from speccache.units import human_bytes
 from speccache.write.dist import LocalComm
 

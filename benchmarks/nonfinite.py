@@ -27,7 +27,7 @@ def bench_nonfinite(report: Report, work: str, scale: float, rounds: int) -> Non
     from speccache.demo import build_tiny_model_dir, demo_data_path
     from speccache.methods import eagle3
     from speccache.methods.finite import guard_nonfinite
-    from speccache.precompute.run import PrecomputeConfig, run_precompute
+    from speccache.precompute import PrecomputeConfig, run_precompute
 
     model = build_tiny_model_dir(os.path.join(work, "guard-model"), "llama", seed=0)
     out = os.path.join(work, "guard-cache")

@@ -19,7 +19,7 @@ from speccache.errors import CacheCorruptError, CacheIncompleteError, ConfigMism
 from speccache.format import SKIPPED_ROWS_FILE, load_manifest_json, manifest_path, write_bytes_file
 from speccache.format.manifest import write_manifest_file
 from speccache.methods import finite
-from speccache.precompute.run import PrecomputeConfig, run_precompute
+from speccache.precompute import PrecomputeConfig, run_precompute
 from speccache.read import CacheDataset
 from support.cachecmp import all_samples
 

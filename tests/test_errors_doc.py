@@ -55,8 +55,8 @@ from speccache.offline_cache import (
 )
 from speccache.precompute.append import plan_append
 from speccache.precompute.audit import audit_cache
+from speccache.precompute.config import check_out_outside_data
 from speccache.precompute.regenerate import RegenerateConfig, regenerate
-from speccache.precompute.run import check_out_outside_data
 from speccache.read import CacheDataset
 from speccache.read.follow import Follow
 from speccache.read.ranges import sequence_parallel_rows
@@ -384,7 +384,7 @@ def _side_without_head(env: Env) -> str:
 
 def _engine_flags(**flags: Any) -> None:
     from speccache.demo import demo_data_path
-    from speccache.precompute.run import PrecomputeConfig
+    from speccache.precompute import PrecomputeConfig
 
     PrecomputeConfig(model=str(ROOT), data=demo_data_path("sharegpt"), out="", **flags).check()
 

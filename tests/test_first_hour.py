@@ -287,7 +287,7 @@ def test_evaluate_shows_its_decoding_on_stderr_unless_quiet(cache, tmp_path, cap
 
 def test_precompute_quiet_silences_transformers_and_its_rates_count_this_runs_work(cache, tmp_path, capsys):
     from speccache.format.manifest import ShardRecord
-    from speccache.precompute.run import _Progress
+    from speccache.precompute.report import _Progress
 
     assert main([*_precompute(cache["model"], cache["data"], str(tmp_path / "c")), *COMMON]) == 0
     captured = capsys.readouterr()

@@ -16,8 +16,8 @@ from speccache.format import LENGTHS_KEY, KeySpec, Manifest, load_manifest_json,
 from speccache.format.encoding.fp8 import fp8_error
 from speccache.format.manifest import encoding_error_summary
 from speccache.methods.eagle3 import Eagle3CacheDataset, build_eagle3_dataloader
+from speccache.precompute import PrecomputeConfig, summary_line
 from speccache.precompute.estimate import ZBF16_HI_FRACTION, estimate_cache, estimate_shards
-from speccache.precompute.run import PrecomputeConfig, summary_line
 from speccache.read.verify import inspect_cache, verify_cache
 from speccache.write import NativeShardWriter
 

@@ -17,7 +17,7 @@ from speccache.demo import ARCHITECTURES, demo_data_path
 from speccache.engines.vllm import VllmPrecomputeEngine, chunked_prefill_args
 from speccache.methods.base import CaptureRequest
 from speccache.methods.decoder import decoder_layers, forward_capturing
-from speccache.precompute.run import PrecomputeConfig
+from speccache.precompute import PrecomputeConfig
 from speccache.read import CacheDataset
 from speccache.testing.long import forward_peak_bytes, long_target, memory_bound, right_padded
 from speccache.write import LocalComm

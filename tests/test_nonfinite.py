@@ -24,7 +24,7 @@ from speccache.errors import NonFiniteFeatureError
 from speccache.format import load_manifest_json, manifest_path, shard_path
 from speccache.methods.eagle3 import Eagle3Target, Supervision
 from speccache.methods.finite import count_cleared, guard_nonfinite
-from speccache.precompute.run import pad_tokens
+from speccache.precompute._tokens import pad_tokens
 from support.cachecmp import all_samples
 
 DATA = demo_data_path("sharegpt")

@@ -27,7 +27,7 @@ from speccache.engines.hf import HfEngine
 from speccache.engines.vllm import VllmPrecomputeEngine, chunked_prefill_sequences
 from speccache.methods.base import CaptureRequest
 from speccache.methods.decoder import decoder_calls, decoder_layers, forward_capturing
-from speccache.precompute.run import PrecomputeConfig
+from speccache.precompute import PrecomputeConfig
 from speccache.read import CacheDataset
 from speccache.write import LocalComm
 from speccache.write.loops import shard_batches

@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import speccache.engines.hf as target_module
+import speccache.engines._hf_load as target_module
 from speccache.demo import build_tiny_model_dir, demo_data_path
 from speccache.engines.hf import check_shard_target
 from speccache.read.verify import verify_cache
@@ -189,7 +189,7 @@ def test_fused_experts_are_read_one_rank_share_at_a_time(tmp_path, monkeypatch) 
     with init_empty_weights():
         meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     checkpoint = target_module.Checkpoint(model_dir)
-    readers = target_module._parameter_readers(meta, checkpoint)
+    readers = target_module.parameter_readers(meta, checkpoint)
     name = "model.layers.1.mlp.experts.gate_up_proj"
     full = readers[name](None)
     read: list[str] = []

@@ -21,7 +21,7 @@ from speccache.demo import demo_data_path
 from speccache.engines.hf import cpu_thread_advice
 from speccache.format import Manifest
 from speccache.methods.eagle3 import Eagle3CacheDataset
-from speccache.precompute.run import summary_line
+from speccache.precompute import summary_line
 from speccache.units import human_bytes
 
 pytestmark = pytest.mark.usefixtures("offline_single_thread")

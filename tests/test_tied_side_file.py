@@ -22,8 +22,8 @@ from speccache.demo import demo_data_path
 from speccache.format import ShardFile
 from speccache.methods.eagle3 import SIDE_FILE, Eagle3CacheDataset, TargetHead, read_side_file
 from speccache.methods.layers import SIDE_FILE as LAYERS_SIDE
+from speccache.precompute import PrecomputeConfig
 from speccache.precompute.estimate import estimate_cache
-from speccache.precompute.run import PrecomputeConfig
 from speccache.train.trainer import draft_for_cache
 
 pytestmark = pytest.mark.usefixtures("offline_single_thread")

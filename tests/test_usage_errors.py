@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
+import speccache.precompute.config as config_module
 import speccache.precompute.run as run_module
 from speccache.cli import main
 from speccache.demo import demo_data_path
 from speccache.errors import CacheFormatError, UsageError
+from speccache.precompute import PrecomputeConfig, run_precompute
 from speccache.precompute.estimate import estimate_cache
 from speccache.precompute.regenerate import RegenerateConfig, regenerate
-from speccache.precompute.run import PrecomputeConfig, run_precompute
 from speccache.testing.synthetic import write_synthetic_cache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,8 +124,8 @@ def test_the_cli_checks_the_settings_once(tiny_models, tmp_path, monkeypatch):
     """The model check may ask the hub: from_args checks, and run_precompute does not check the same settings
     again; a setting changed after a check is checked again."""
     probes: list[str] = []
-    real = run_module.check_model_source
-    monkeypatch.setattr(run_module, "check_model_source", lambda model: (probes.append(model), real(model))[1])
+    real = config_module.check_model_source
+    monkeypatch.setattr(config_module, "check_model_source", lambda model: (probes.append(model), real(model))[1])
 
     class Planned(Exception):
         pass

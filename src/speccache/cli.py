@@ -245,9 +245,9 @@ def cmd_subset(args: argparse.Namespace) -> int:
 def _method_commands() -> list[Callable[[Any], None]]:
     from speccache.compat.commands import register_commands as register_export
     from speccache.precompute.audit import register_commands as register_audit
+    from speccache.precompute.command import register_commands
     from speccache.precompute.estimate import register_commands as register_estimate
     from speccache.precompute.regenerate import register_commands as register_regenerate
-    from speccache.precompute.run import register_commands
     from speccache.train.commands import register_commands as register_train
 
     return [register_commands, register_regenerate, register_estimate, register_audit, register_export, register_train]
@@ -315,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     :class:`UsageError`, as argparse's own refusals), 1 for any other of :data:`FAILURES`: a speccache error, a
     missing or existing path, a ``ValueError`` of a library.
     """
-    from speccache.precompute.run import resume_argv
+    from speccache.precompute.command import resume_argv
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

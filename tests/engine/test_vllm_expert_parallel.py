@@ -14,7 +14,7 @@ from speccache.cli import main
 from speccache.demo import demo_data_path
 from speccache.engines.vllm import VllmPrecomputeEngine
 from speccache.methods.base import CaptureRequest
-from speccache.precompute.run import PrecomputeConfig
+from speccache.precompute import PrecomputeConfig
 from speccache.write import LocalComm
 
 require_vllm()

@@ -51,7 +51,7 @@ def add_gpu_memory_utilization_argument(p: argparse.ArgumentParser) -> None:
 
 
 class EngineSettings(Protocol):
-    """The settings an engine reads from a run's :class:`speccache.precompute.run.PrecomputeConfig` (the flags of
+    """The settings an engine reads from a run's :class:`speccache.precompute.config.PrecomputeConfig` (the flags of
     ``speccache precompute`` of the same names)."""
 
     model: str
@@ -68,6 +68,9 @@ class EngineSettings(Protocol):
 
 class Engine(Protocol):
     """One run's engine. ``cfg`` holds the run's :class:`EngineSettings`.
+
+    An engine with flags of its own may define a class method ``add_arguments(parser)`` adding them to
+    ``speccache precompute`` (their defaults are the config's, set after); its :meth:`check_flags` checks them.
 
     Attributes:
         name: what ``--engine`` calls it (recorded as the manifest's ``config.engine``).

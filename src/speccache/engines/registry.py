@@ -11,11 +11,14 @@ from speccache.engines.vllm import VllmPrecomputeEngine
 from speccache.engines.vllm_generate import VllmGenerator
 from speccache.errors import UsageError
 
-__all__ = ["ENGINES", "GENERATORS", "engine_class", "generator_class"]
+__all__ = ["DEFAULT_ENGINE", "ENGINES", "GENERATORS", "engine_class", "generator_class"]
 
 ENGINES: dict[str, type[Engine]] = {"hf": HfEngine, "vllm": VllmPrecomputeEngine}
 """What ``--engine`` accepts: transformers (the default) or vLLM. A new engine is a module of this room and an
 entry here."""
+
+DEFAULT_ENGINE = "hf"
+"""What ``precompute --engine`` runs when it is not given."""
 
 GENERATORS: dict[str, type[Generator]] = {"hf": HfGenerator, "vllm": VllmGenerator}
 """What ``speccache regenerate --engine`` accepts: transformers' loop (the default) or vLLM."""

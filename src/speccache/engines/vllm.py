@@ -22,6 +22,7 @@ with the rank's own devices (:func:`rank_environment`), and its states come back
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib
 import os
@@ -34,7 +35,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from speccache.engines.base import EngineSettings
+from speccache.engines.base import (
+    EngineSettings,
+    add_gpu_memory_utilization_argument,
+    check_gpu_memory_utilization,
+)
 from speccache.engines.hf import check_shard_target, load_outer_modules
 from speccache.errors import UsageError
 from speccache.methods.base import CaptureRequest, LoadedTarget
@@ -423,9 +428,27 @@ class VllmPrecomputeEngine:
     pads = False  # continuous batching: each request computes its own tokens only
 
     @classmethod
+    def add_arguments(cls, p: argparse.ArgumentParser) -> None:
+        """``--tensor-parallel-size``, ``--enable-expert-parallel`` and ``--gpu-memory-utilization``."""
+        p.add_argument(
+            "--tensor-parallel-size",
+            type=int,
+            help="--engine vllm: vLLM's tensor-parallel size (default %(default)s); under torchrun, each rank's "
+            "engine's",
+        )
+        p.add_argument(
+            "--enable-expert-parallel",
+            action="store_true",
+            help="--engine vllm: vLLM's expert parallelism (a mixture of experts' experts spread over the "
+            "--tensor-parallel-size GPUs of each engine)",
+        )
+        add_gpu_memory_utilization_argument(p)
+
+    @classmethod
     def check_flags(cls, cfg: EngineSettings) -> None:
         """Refuse the hf engine's ``--shard-target`` (vLLM parallelises the target itself) and ``--threads``;
-        check ``--tensor-parallel-size`` and ``--enable-expert-parallel``."""
+        check ``--tensor-parallel-size``, ``--enable-expert-parallel`` and ``--gpu-memory-utilization``."""
+        check_gpu_memory_utilization(cfg.gpu_memory_utilization, cls.name)
         check_shard_target(cfg.shard_target, cfg.tp_size)
         if cfg.shard_target != "replicate":
             raise UsageError(

@@ -169,7 +169,7 @@ class MethodPlan:
         schema: the cache's keys (``source_row`` included; precompute adds what is not the method's).
         config: the method's fields of the manifest's ``config`` (what a resume compares).
         request: what it reads of the target.
-        draft_vocab_size: the vocabulary a draft predicts over (the summary's padded full-probability layout).
+        draft_vocab_size: the vocabulary a draft predicts over.
         settings: the method's own decisions, for its :meth:`Method.prepare`, :meth:`Method.target` and
             :meth:`Method.side_tensors`.
         side_metadata: its side file's safetensors metadata besides ``speccache_side`` (what its readers need
@@ -212,7 +212,7 @@ class MethodTarget(Protocol):
 
 
 class MethodSettings(Protocol):
-    """The settings a method reads from a run's :class:`speccache.precompute.run.PrecomputeConfig` (the flags of
+    """The settings a method reads from a run's :class:`speccache.precompute.config.PrecomputeConfig` (the flags of
     ``speccache precompute`` of the same names)."""
 
     model: str
@@ -229,6 +229,10 @@ class MethodSettings(Protocol):
 
 class Method(Protocol):
     """A speculative method's part in ``precompute``. ``cfg`` holds the run's :class:`MethodSettings`.
+
+    A method may define ``padded_token_bytes(plan, hidden_size, itemsize) -> int``: the bytes per token of the
+    padded layout other tools write for it, which a run's summary and stats compare the cache with (EAGLE-3's
+    full-probability layout); without it they make no comparison.
 
     Attributes:
         cache_name: the manifest's ``cache_name`` (what its readers open).

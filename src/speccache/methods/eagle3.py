@@ -95,6 +95,7 @@ __all__ = [
     "default_aux_layers",
     "check_aux_layers",
     "eagle3_schema",
+    "padded_probs_token_bytes",
     "select_draft_vocab",
     "vocab_mapping",
     "ties_embeddings",
@@ -461,6 +462,12 @@ def _special_ids(tokenizer: Any) -> list[int]:
     return [i for i in ids if isinstance(i, int)]
 
 
+def padded_probs_token_bytes(hidden_size: int, draft_vocab_size: int, itemsize: int) -> int:
+    """Bytes per token of the layout other EAGLE-3 tools write, each sample padded: three aux states and the full
+    draft-vocabulary probabilities in ``itemsize`` bytes each, an int64 id and a bool mask."""
+    return (3 * hidden_size + draft_vocab_size) * itemsize + 8 + 1
+
+
 @dataclass(frozen=True)
 class Eagle3Settings:
     """What an EAGLE-3 run decided: the aux layers, the supervision and the vocabularies."""
@@ -533,6 +540,10 @@ class Eagle3Method:
             settings=Eagle3Settings(aux, supervision, vocab, draft, borrowed, tied),
             side_metadata=side_metadata(tied),
         )
+
+    def padded_token_bytes(self, plan: MethodPlan, hidden_size: int, itemsize: int) -> int:
+        """:func:`padded_probs_token_bytes` of the plan's draft vocabulary (``stats.padded_probs_bytes``)."""
+        return padded_probs_token_bytes(hidden_size, plan.draft_vocab_size, itemsize)
 
     def prepare(self, plan: MethodPlan, data: PrePass) -> torch.Tensor:
         """The draft vocabulary: an append's cache's own, ``--draft-vocab-from``'s, or chosen from the

@@ -7,11 +7,14 @@ from speccache.methods.base import Method
 from speccache.methods.eagle3 import EAGLE3
 from speccache.methods.layers import LAYERS
 
-__all__ = ["METHODS", "method_for"]
+__all__ = ["DEFAULT_METHOD", "METHODS", "method_for"]
 
 METHODS: dict[str, Method] = {name: method for method in (EAGLE3, LAYERS) for name in method.presets}
 """``--method`` name -> method, in the order ``--help`` lists them. A new method is a module of this room and an
 entry here."""
+
+DEFAULT_METHOD = "eagle3"
+"""What ``--method`` runs when it is not given."""
 
 
 def method_for(name: str) -> Method:

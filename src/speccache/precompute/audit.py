@@ -57,11 +57,11 @@ from speccache.devices import target_device
 from speccache.engines.hf import load_target
 from speccache.errors import AuditError, SpeccacheError
 from speccache.format import LENGTHS_KEY, SOURCE_ROW_KEY, Manifest
-from speccache.methods.base import LoadedTarget, model_config_hash
+from speccache.methods.base import DTYPES, LoadedTarget, model_config_hash
 from speccache.methods.eagle3 import CACHE_NAME as EAGLE3
 from speccache.methods.eagle3 import SIDE_FILE as EAGLE3_SIDE
 from speccache.methods.eagle3 import Eagle3Target, Supervision, read_side_file
-from speccache.precompute.run import DTYPES, batch_pad_id, pad_tokens
+from speccache.precompute._tokens import batch_pad_id, pad_tokens
 from speccache.read import CacheDataset
 from speccache.read.dataset import NO_VERIFY_HELP
 from speccache.read.source import CacheSource, open_source

@@ -18,7 +18,7 @@ schema from the model config; sizes follow from the shard layout:
   and ``skipped_rows.jsonl``, which the plan's skipped rows give byte for byte.
 
 ``estimate`` takes every flag that changes what a run writes: they are defined
-once, by :func:`speccache.precompute.run.add_precompute_arguments`, for both
+once, by :func:`speccache.precompute.command.add_precompute_arguments`, for both
 commands. It also reports what the data gave, as ``precompute`` records it: rows
 read, truncated and skipped (per reason, each skipped row named ``file:line``).
 
@@ -187,7 +187,9 @@ def _sample_stats(plan: Any) -> dict[str, list[Any]] | None:
     """The per-sample statistics an EAGLE-3 run records for these samples (none for other methods)."""
     if plan.cache_name != CACHE_NAME:
         return None
-    names = sample_stat_names(Supervision.parse(plan.cfg.supervision), plan.draft_vocab_size == plan.vocab_size)
+    names = sample_stat_names(
+        Supervision.parse(plan.cfg.supervision), plan.method_plan.draft_vocab_size == plan.vocab_size
+    )
     masks = plan.samples.loss_mask.astype(np.int64)
     supervised = np.diff(np.concatenate([[0], np.cumsum(masks)])[plan.samples.offsets]).tolist()
     return {
@@ -197,7 +199,7 @@ def _sample_stats(plan: Any) -> dict[str, list[Any]] | None:
 
 
 def _weight_dtype(model_config: Any, model_dtype: str) -> torch.dtype:
-    from speccache.precompute.run import DTYPES
+    from speccache.methods.base import DTYPES
 
     if model_dtype != "auto":
         return DTYPES[model_dtype]
@@ -241,12 +243,15 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
         ``rows_truncated``, ``skipped`` per reason...), ``skipped_rows`` (each skipped row's ``row``, ``where``
         (file:line), ``reason`` and ``detail``, as ``skipped_rows.jsonl`` lists them), ``longest_sample``,
         ``padded_probs_bytes`` (padded to ``--max-length``), ``padded_probs_longest_bytes`` (to the longest
-        sample: what the report and the precompute summary compare with), and ``zbf16_hi_fraction``.
+        sample: what the report and the precompute summary compare with; both only for a method that names such a
+        layout, as EAGLE-3 does), and ``zbf16_hi_fraction``.
 
     Raises:
         UsageError, DataError, FileNotFoundError: what ``precompute`` would reject before loading the model.
     """
-    from speccache.precompute.run import DTYPES, make_plan, padded_probs_bytes
+    from speccache.methods.base import DTYPES
+    from speccache.precompute.report import padded_layout_stats
+    from speccache.precompute.run import make_plan
 
     cfg.check()
     plan = make_plan(cfg)
@@ -257,7 +262,7 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
     weight_dtype = _weight_dtype(plan.model_config, cfg.model_dtype)
     side = side_file_bytes(
         plan.vocab_size,
-        plan.draft_vocab_size,
+        plan.method_plan.draft_vocab_size,
         plan.hidden_size,
         weight_dtype,
         plan.cache_name,
@@ -274,6 +279,10 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
     side_total = sum(side_files.values())
     tokens = sum(lengths)
     itemsize = DTYPES[cfg.dtype].itemsize
+
+    def padded(length: int, key: str) -> dict[str, int]:
+        return padded_layout_stats(plan.method, plan.method_plan, plan.hidden_size, itemsize, len(lengths), length, key)
+
     return {
         "model": cfg.model,
         "data": cfg.data,
@@ -313,12 +322,8 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
             for r in plan.stats.skipped_rows
         ],
         "longest_sample": max(lengths),
-        "padded_probs_bytes": padded_probs_bytes(
-            len(lengths), cfg.max_length, plan.hidden_size, plan.draft_vocab_size, itemsize
-        ),
-        "padded_probs_longest_bytes": padded_probs_bytes(
-            len(lengths), max(lengths), plan.hidden_size, plan.draft_vocab_size, itemsize
-        ),
+        **padded(cfg.max_length, "padded_probs_bytes"),
+        **padded(max(lengths), "padded_probs_longest_bytes"),
         "zbf16_hi_fraction": list(ZBF16_HI_FRACTION),
     }
 
@@ -360,7 +365,7 @@ def _data_lines(est: Mapping[str, Any]) -> list[str]:
 
 def format_estimate(est: Mapping[str, Any]) -> str:
     """The human-readable report of :func:`estimate_cache`."""
-    tokens, padded = est["tokens"], est["padded_probs_longest_bytes"]
+    tokens = est["tokens"]
     per_token = lambda b: f"{b / tokens:.1f}"  # noqa: E731
     lines = [
         f"estimate   {est['samples']} samples, {tokens} tokens (max length {est['max_length']}) "
@@ -390,17 +395,21 @@ def format_estimate(est: Mapping[str, Any]) -> str:
             f"as {lo:.0%}-{hi:.0%} of their raw size)"
         ),
         *_data_lines(est),
-        f"padded full-probability layout (to the longest sample, {est['longest_sample']} tokens) would take "
-        f"{human_bytes(padded)} "
-        f"({_span(padded / est['total_bytes_high'], padded / est['total_bytes_low'], lambda r: f'{r:.1f}x')} "
-        "the size of this cache)",
     ]
+    if "padded_probs_longest_bytes" in est:  # a method that names a padded layout
+        padded = est["padded_probs_longest_bytes"]
+        lines.append(
+            f"padded full-probability layout (to the longest sample, {est['longest_sample']} tokens) would take "
+            f"{human_bytes(padded)} "
+            f"({_span(padded / est['total_bytes_high'], padded / est['total_bytes_low'], lambda r: f'{r:.1f}x')} "
+            "the size of this cache)"
+        )
     return "\n".join(lines)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     """Run ``speccache estimate``."""
-    from speccache.precompute.run import PrecomputeConfig
+    from speccache.precompute.config import PrecomputeConfig
 
     est = estimate_cache(PrecomputeConfig.from_args(args))
     print(json.dumps(est, indent=2) if args.json else format_estimate(est))
@@ -409,9 +418,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 def register_commands(sub: Any) -> None:
     """Add ``estimate`` to the CLI."""
-    from speccache.precompute.run import add_precompute_arguments
+    from speccache.precompute.command import add_precompute_arguments
 
     p = sub.add_parser("estimate", help="predict a precompute's cache size without loading the model weights")
     add_precompute_arguments(p)
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=cmd_estimate)
+    p.set_defaults(func=cmd_estimate, out="")  # an estimate writes nothing: its config has no output directory

@@ -116,7 +116,7 @@ class RegenerateConfig:
 
     def check(self) -> None:
         """Check the settings without the model; :func:`regenerate` runs it (as ``run_precompute`` runs
-        :meth:`~speccache.precompute.run.PrecomputeConfig.check`).
+        :meth:`~speccache.precompute.config.PrecomputeConfig.check`).
 
         Raises:
             UsageError: a setting out of range, naming the flag.
