@@ -36,7 +36,8 @@ from speccache.demo import demo_data_path, ensure_demo_target
 from speccache.format.encoding import get_encoding
 from speccache.format.encoding.fp8 import fp8_error
 from speccache.format.encoding.zbf16 import zbf16_plane_stats
-from speccache.methods.eagle3 import Supervision, eagle3_schema
+from speccache.methods.eagle3 import Supervision
+from speccache.methods.eagle3_producer import eagle3_schema
 from speccache.precompute.estimate import ZBF16_HI_FRACTION, estimate_cache, estimate_shards, side_file_bytes
 from speccache.precompute.run import PrecomputeConfig, make_plan, padded_probs_bytes, run_precompute
 from speccache.read import CacheDataset

@@ -1273,7 +1273,7 @@ def bench_startup(
 def bench_nonfinite(report: Report, work: str, scale: float, rounds: int) -> None:
     """The guard's share of a precompute run (target: <= 3%), and its throughput against the section-1 write."""
     from speccache.demo import build_tiny_model_dir, demo_data_path
-    from speccache.methods import eagle3
+    from speccache.methods import eagle3_producer as eagle3
     from speccache.methods.finite import guard_nonfinite
     from speccache.precompute.run import PrecomputeConfig, run_precompute
 

@@ -31,11 +31,14 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-from speccache.compat.export import DTYPES, check_export_dir
+from speccache.compat.export import check_export_dir
+from speccache.devices import DTYPES
 from speccache.errors import CacheFormatError, UsageError
 from speccache.format import Manifest, atomic_write, write_safetensors
 from speccache.format.durable import ensure_writable_dir, writes_to
 from speccache.methods import eagle3, layers
+from speccache.methods.eagle3_producer import eagle3_schema, vocab_mapping
+from speccache.methods.layers_producer import LayerSelection, layers_schema, side_tensors
 from speccache.read import CacheDataset
 from speccache.read.source import CacheSource, open_source
 from speccache.units import human_bytes
@@ -433,7 +436,7 @@ def _specforge_import(src: str, target: _Target, layer_ids: Sequence[int] | None
     aux = list(layer_ids) if layer_ids is not None else eagle3.default_aux_layers(target.num_layers)
     features = dtype[0] if dtype else torch.bfloat16
     supervision = eagle3.Supervision("hidden")
-    schema = eagle3.eagle3_schema(target.hidden, features, supervision, draft, draft == target.vocab, encodings)
+    schema = eagle3_schema(target.hidden, features, supervision, draft, draft == target.vocab, encodings)
     config = {
         "method": eagle3.CACHE_NAME,
         "aux_layers": aux,
@@ -460,7 +463,7 @@ def _specforge_import(src: str, target: _Target, layer_ids: Sequence[int] | None
         return {
             "embed_tokens": target.embed_tokens.to(features).contiguous(),
             "lm_head": head[selected].to(features).contiguous(),
-            **eagle3.vocab_mapping(selected, target.vocab),
+            **vocab_mapping(selected, target.vocab),
         }
 
     return _Import(eagle3.CACHE_NAME, schema, config, entries, skipped, side, eagle3.SIDE_FILE, rows)
@@ -496,7 +499,7 @@ def _speculators_import(
     aux = list(layer_ids)
     if target.num_layers - 1 in aux:
         raise UsageError(f"--layers {aux}: the last layer {target.num_layers - 1} is the file's last entry already")
-    selection = layers.LayerSelection(tuple(aux), target.num_layers, last_hidden=False, last_prenorm=True)
+    selection = LayerSelection(tuple(aux), target.num_layers, last_hidden=False, last_prenorm=True)
     keys = [f.key for f in selection.features()]
     want = len(aux) + 1
     dtype: list[torch.dtype] = []
@@ -533,11 +536,11 @@ def _speculators_import(
     entries, skipped = _scan(names, lambda row, _name: load(row, False)["input_ids"].numel())
     first = load(entries[0].source_row, True) if entries else {}
     features = first[keys[0]].dtype if first else torch.bfloat16
-    schema = layers.layers_schema(selection, target.hidden, features, encodings)
+    schema = layers_schema(selection, target.hidden, features, encodings)
     config = {"method": layers.CACHE_NAME, **selection.manifest_config(target.config)}
 
     def side() -> dict[str, torch.Tensor]:
-        return layers.side_tensors(target.embed_tokens.to(features), target.lm_head.to(features), tied=False)
+        return side_tensors(target.embed_tokens.to(features), target.lm_head.to(features), tied=False)
 
     return _Import(
         layers.CACHE_NAME, schema, config, entries, skipped, side, layers.SIDE_FILE, lambda e: load(e.source_row, True)

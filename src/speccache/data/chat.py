@@ -72,7 +72,7 @@ from speccache.data.template import (
     tool_list,
 )
 from speccache.errors import DataError, UsageError
-from speccache.format import KeySpec, file_checksum
+from speccache.format import SOURCE_ROW_KEY, KeySpec, file_checksum
 
 __all__ = [
     "DROPPED_FIELDS_FILE",
@@ -115,7 +115,6 @@ _CHAT_KEYS = ("conversations", "messages")
 _LINE_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 _DATASET_SUFFIXES = (".parquet",)
 _CHUNK = 4096
-SOURCE_ROW_KEY = "source_row"
 SAMPLE_TURN_KEY = "sample_turn"
 SKIPPED_ROWS_FILE = "skipped_rows.jsonl"
 DROPPED_FIELDS_FILE = "dropped_fields.jsonl"

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from speccache.devices import target_device
+from speccache.devices import DTYPES, target_device
 from speccache.engines.base import EngineSettings
 from speccache.errors import UsageError
-from speccache.methods.base import DTYPES, CaptureRequest, LoadedTarget
+from speccache.methods.base import CaptureRequest, LoadedTarget
 from speccache.methods.decoder import decoder_calls, decoder_layers, forward_capturing
 from speccache.write import Comm
 from speccache.write.dist import (

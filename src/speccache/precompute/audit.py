@@ -53,15 +53,16 @@ from typing import Any
 import torch
 
 from speccache.data import SOURCE_ROW_KEY, load_chat_tokenizer, tokenizer_hash
-from speccache.devices import target_device
+from speccache.devices import DTYPES, target_device
 from speccache.engines.hf import load_target
 from speccache.errors import AuditError, SpeccacheError
 from speccache.format import LENGTHS_KEY, Manifest
 from speccache.methods.base import model_config_hash
 from speccache.methods.eagle3 import CACHE_NAME as EAGLE3
 from speccache.methods.eagle3 import SIDE_FILE as EAGLE3_SIDE
-from speccache.methods.eagle3 import Eagle3Target, Supervision, read_side_file
-from speccache.precompute.run import DTYPES, batch_pad_id, pad_tokens
+from speccache.methods.eagle3 import Supervision, read_side_file
+from speccache.methods.eagle3_producer import Eagle3Target
+from speccache.precompute.run import batch_pad_id, pad_tokens
 from speccache.read import CacheDataset
 from speccache.read.dataset import NO_VERIFY_HELP
 from speccache.read.source import CacheSource, open_source

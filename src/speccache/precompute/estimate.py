@@ -51,8 +51,9 @@ import torch
 from speccache.data import DROPPED_FIELDS_FILE, SKIPPED_ROWS_FILE, DataStats, dropped_summary
 from speccache.format import OFFSETS_KEY, KeySpec, Schema, get_encoding, part_name, safetensors_prefix
 from speccache.format.shard import shard_metadata
-from speccache.methods.base import tied_metadata, ties_embeddings
-from speccache.methods.eagle3 import CACHE_NAME, Supervision, sample_stat_names
+from speccache.methods.eagle3 import CACHE_NAME, Supervision
+from speccache.methods.eagle3_producer import sample_stat_names
+from speccache.methods.side import tied_metadata, ties_embeddings
 from speccache.units import human_bytes
 
 __all__ = [
@@ -188,7 +189,7 @@ def _sample_stats(plan: Any) -> dict[str, list[Any]] | None:
 
 
 def _weight_dtype(model_config: Any, model_dtype: str) -> torch.dtype:
-    from speccache.precompute.run import DTYPES
+    from speccache.devices import DTYPES
 
     if model_dtype != "auto":
         return DTYPES[model_dtype]
@@ -237,7 +238,8 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
     Raises:
         UsageError, DataError, FileNotFoundError: what ``precompute`` would reject before loading the model.
     """
-    from speccache.precompute.run import DTYPES, make_plan, padded_probs_bytes
+    from speccache.devices import DTYPES
+    from speccache.precompute.run import make_plan, padded_probs_bytes
 
     cfg.check()
     plan = make_plan(cfg)

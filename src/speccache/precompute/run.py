@@ -46,7 +46,7 @@ from speccache.data import (
     sample_turn_spec,
     tokenizer_hash,
 )
-from speccache.devices import target_device
+from speccache.devices import DTYPES, dtype_name, target_device
 from speccache.engines.base import add_gpu_memory_utilization_argument, check_gpu_memory_utilization
 from speccache.engines.registry import engine_class
 from speccache.errors import DataError, SpeccacheError, UsageError
@@ -61,7 +61,7 @@ from speccache.format import (
 )
 from speccache.format.encoding import parse_encodings
 from speccache.format.reclaim import read_reclaims
-from speccache.methods.base import DTYPES, Method, MethodPlan, PrePass, dtype_name, model_config_hash, text_config
+from speccache.methods.base import Method, MethodPlan, PrePass, model_config_hash, text_config
 from speccache.methods.finite import SKIP_REASON, ClearedCounter, check_nonfinite_mode
 from speccache.methods.layers import parse_layer_ids
 from speccache.methods.registry import METHODS, method_for
@@ -82,7 +82,6 @@ from speccache.write import (
 from speccache.write.loops import shard_batches
 
 __all__ = [
-    "DTYPES",
     "Plan",
     "PrecomputeConfig",
     "TokenizedDataset",
