@@ -50,7 +50,8 @@ def main() -> None:
     from speccache.engines.hf import load_outer_modules, load_target
     from speccache.engines.vllm import VllmEngine, vllm_layer_ids, vllm_version
     from speccache.methods.decoder import final_norm
-    from speccache.methods.eagle3 import Eagle3Target, Supervision
+    from speccache.methods.eagle3 import Supervision
+    from speccache.methods.eagle3_producer import Eagle3Target
     from speccache.precompute import PrecomputeConfig
     from speccache.precompute._tokens import TokenizedDataset, batch_pad_id, pad_tokens
     from speccache.precompute.run import make_plan

@@ -36,7 +36,8 @@ from speccache.demo import demo_data_path, ensure_demo_target
 from speccache.format.encoding import get_encoding
 from speccache.format.encoding.fp8 import fp8_error
 from speccache.format.encoding.zbf16 import zbf16_plane_stats
-from speccache.methods.eagle3 import Supervision, eagle3_schema, padded_probs_token_bytes
+from speccache.methods.eagle3 import Supervision
+from speccache.methods.eagle3_producer import eagle3_schema, padded_probs_token_bytes
 from speccache.precompute import PrecomputeConfig, make_plan, run_precompute
 from speccache.precompute.estimate import ZBF16_HI_FRACTION, estimate_cache, estimate_shards, side_file_bytes
 from speccache.read import CacheDataset
@@ -341,7 +342,7 @@ def report(
     w(
         "* **padded full-probability**: what other tools write for EAGLE-3: per token the three aux hidden states and "
         "the target's probabilities over the draft vocabulary (bf16), int64 input ids and a one-byte loss mask, every "
-        "sample padded to the maximum length (`speccache.methods.eagle3.padded_probs_token_bytes`)."
+        "sample padded to the maximum length (`speccache.methods.eagle3_producer.padded_probs_token_bytes`)."
     )
     w(
         f"* **pickle per sample**: one `torch.save` file per sample holding the same hidden states as speccache "

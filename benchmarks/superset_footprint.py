@@ -24,8 +24,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from footprint import REAL, mb, sample_lengths
 from speccache.demo import demo_data_path, ensure_demo_target
-from speccache.methods.eagle3 import Supervision, default_aux_layers, eagle3_schema
-from speccache.methods.layers import LayerSelection, dflash_layer_ids, dspark_layer_ids, layers_schema
+from speccache.methods.eagle3 import Supervision, default_aux_layers
+from speccache.methods.eagle3_producer import eagle3_schema
+from speccache.methods.layers import dflash_layer_ids, dspark_layer_ids
+from speccache.methods.layers_producer import LayerSelection, layers_schema
 from speccache.precompute import PrecomputeConfig, run_precompute
 from speccache.precompute.estimate import estimate_shards, side_file_bytes
 from speccache.write.dist import LocalComm

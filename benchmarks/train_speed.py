@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from speccache.methods.base import DTYPES, dtype_name
+from speccache.devices import DTYPES, dtype_name
 from speccache.methods.eagle3 import Eagle3CacheDataset, build_eagle3_dataloader
 from speccache.read.source import reader_sampler
 from speccache.train.trainer import COMPUTE_DTYPES, LengthGroupedSampler, draft_for_cache, make_optimizer, train_steps

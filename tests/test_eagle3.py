@@ -28,9 +28,8 @@ from speccache.methods.eagle3 import (
     check_aux_layers,
     default_aux_layers,
     draft_view,
-    select_draft_vocab,
-    vocab_mapping,
 )
+from speccache.methods.eagle3_producer import select_draft_vocab, vocab_mapping
 from speccache.read import CacheDataset
 from speccache.read.sampler import LocalityShuffleSampler
 

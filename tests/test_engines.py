@@ -14,8 +14,9 @@ from speccache.demo import demo_data_path
 from speccache.engines.hf import load_outer_modules
 from speccache.engines.vllm import VllmEngine, rank_environment, vllm_layer_ids
 from speccache.methods.decoder import final_norm, forward_capturing
-from speccache.methods.eagle3 import Eagle3Target, Supervision
-from speccache.methods.layers import LayersTarget, preset_selection
+from speccache.methods.eagle3 import Supervision
+from speccache.methods.eagle3_producer import Eagle3Target
+from speccache.methods.layers_producer import LayersTarget, preset_selection
 
 pytestmark = pytest.mark.usefixtures("offline_single_thread")
 

@@ -34,6 +34,7 @@ import speccache.errors as errors_module
 from speccache.data import chat_format
 from speccache.data.regenerated import REGENERATE_FORMAT, REGENERATE_NAME, read_progress
 from speccache.demo.real_target import build_real_model_dir, real_target_gguf
+from speccache.devices import dtype_name
 from speccache.engines.hf import Checkpoint, check_shard_target, check_tp_plan
 from speccache.engines.vllm import rank_environment
 from speccache.format import MANIFEST_NAME, KeySpec, Manifest, ShardFile, shard_path, write_safetensors
@@ -42,10 +43,9 @@ from speccache.format.lock import LOCK_NAME
 from speccache.format.names import check_shard_size
 from speccache.format.shard import verify_tensor_checksums
 from speccache.format.view import View, source_record
-from speccache.methods.base import dtype_name
 from speccache.methods.eagle3 import read_side_file
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
-from speccache.methods.layers import LayerSelection, preset_selection
+from speccache.methods.layers_producer import LayerSelection, preset_selection
 from speccache.offline_cache import (
     CachedTensorDataset,
     ensure_supervision_options_match,

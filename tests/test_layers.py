@@ -25,7 +25,6 @@ from speccache.errors import CacheFormatError
 from speccache.format import ShardFile, load_manifest_json, manifest_path, shard_path
 from speccache.methods.eagle3 import Eagle3CacheDataset, build_eagle3_dataloader
 from speccache.methods.layers import (
-    PRESETS,
     SIDE_FILE,
     LayerFeatureDataset,
     build_layer_dataloader,
@@ -35,8 +34,8 @@ from speccache.methods.layers import (
     dspark_layer_ids,
     eagle3_dataset,
     mtp_dataset,
-    preset_selection,
 )
+from speccache.methods.layers_producer import PRESETS, preset_selection
 
 LIMIT = 6
 MAX_LENGTH = 96

@@ -159,7 +159,7 @@ def test_vllm_gets_the_chunk_as_its_chunked_prefill(tiny_models):
 def test_the_eagle3_head_in_runs_of_rows_gives_the_whole_batchs_features(tiny_models, tmp_path, monkeypatch):
     """A long sample's logits are computed in runs of rows (``HEAD_VALUES``): the features are the same."""
     from speccache.cli import main
-    from speccache.methods import eagle3
+    from speccache.methods import eagle3_producer
 
     def run(out: str) -> CacheDataset:
         argv = ["precompute", "--model", tiny_models("llama"), "--data", demo_data_path("sharegpt"), "--out", out,
@@ -170,7 +170,7 @@ def test_the_eagle3_head_in_runs_of_rows_gives_the_whole_batchs_features(tiny_mo
         return CacheDataset(out)
 
     whole = run(str(tmp_path / "whole"))
-    monkeypatch.setattr(eagle3, "HEAD_VALUES", 8 * 1000)  # a few rows per run of the head (a batch of 8)
+    monkeypatch.setattr(eagle3_producer, "HEAD_VALUES", 8 * 1000)  # a few rows per run of the head (a batch of 8)
     runs = run(str(tmp_path / "runs"))
     assert len(whole) == len(runs) == 16
     for index in range(len(whole)):

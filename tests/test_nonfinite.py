@@ -22,7 +22,8 @@ from speccache.data import load_samples
 from speccache.demo import build_tiny_model_dir, demo_data_path
 from speccache.errors import NonFiniteFeatureError
 from speccache.format import load_manifest_json, manifest_path, shard_path
-from speccache.methods.eagle3 import Eagle3Target, Supervision
+from speccache.methods.eagle3 import Supervision
+from speccache.methods.eagle3_producer import Eagle3Target
 from speccache.methods.finite import count_cleared, guard_nonfinite
 from speccache.precompute._tokens import pad_tokens
 from support.cachecmp import all_samples

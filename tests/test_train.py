@@ -24,12 +24,12 @@ from transformers import AutoModelForCausalLM
 from speccache.cli import main
 from speccache.demo import demo_data_path
 from speccache.methods.eagle3 import (
-    Eagle3Target,
     Supervision,
     TargetHead,
     build_eagle3_dataloader,
     draft_view,
 )
+from speccache.methods.eagle3_producer import Eagle3Target
 from speccache.train.draft import load_draft
 from speccache.train.evaluate import (
     DraftProposer,

@@ -24,7 +24,8 @@ from transformers import AutoModelForCausalLM
 from speccache.cli import main
 from speccache.demo import demo_data_path
 from speccache.format import Manifest
-from speccache.methods.eagle3 import Eagle3Target, Supervision, TargetHead, build_eagle3_dataloader
+from speccache.methods.eagle3 import Supervision, TargetHead, build_eagle3_dataloader
+from speccache.methods.eagle3_producer import Eagle3Target
 from speccache.train.trainer import MAX_GRAD_NORM, draft_for_cache, draft_loss, train_steps
 
 pytestmark = pytest.mark.usefixtures("offline_single_thread")

@@ -3,7 +3,9 @@
 The public API, by layer (docs/architecture.md draws the layout):
 
 * format: :class:`KeySpec`, :class:`Manifest`, :data:`FORMAT_VERSION`;
-* writing: :class:`CacheWriter` (one producer run: lock, resume, overlapped writes, seal);
+* writing: :class:`CacheWriter` (one producer run: lock, resume, overlapped writes, seal), imported on first use, so
+  that a reader's ``import speccache`` loads no producer code (``speccache.write``, ``speccache.data``,
+  ``speccache.precompute``);
 * reading: :class:`CacheDataset`, :class:`PadCollator`, :class:`PackCollator`,
   :class:`LocalityShuffleSampler`, :func:`verify_cache`, :func:`inspect_cache`, :class:`Follow` (settings of a
   reader that trains while the cache is written);
@@ -13,6 +15,8 @@ The public API, by layer (docs/architecture.md draws the layout):
 The NeMo AutoModel-compatible names (``CachedTensorDataset``, ``write_cache_shards``...)
 live in :mod:`speccache.offline_cache` only.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from speccache._version import __version__
 from speccache.errors import (
@@ -36,7 +40,9 @@ from speccache.format import FORMAT_VERSION, KeySpec, Manifest
 from speccache.methods.eagle3 import Eagle3CacheDataset, TargetHead, build_eagle3_dataloader
 from speccache.read import CacheDataset, LocalityShuffleSampler, PackCollator, PadCollator, inspect_cache, verify_cache
 from speccache.read.follow import Follow
-from speccache.write import CacheWriter
+
+if TYPE_CHECKING:
+    from speccache.write import CacheWriter
 
 __all__ = [
     "FORMAT_VERSION",
@@ -70,3 +76,12 @@ __all__ = [
     "inspect_cache",
     "verify_cache",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``CacheWriter``, imported from :mod:`speccache.write` on first use (PEP 562)."""
+    if name == "CacheWriter":
+        from speccache.write import CacheWriter
+
+        return CacheWriter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

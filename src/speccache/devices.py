@@ -1,16 +1,40 @@
 """``--device``: the names it takes, the default, and the refusal of one this process cannot use (one rule for
-``precompute``, ``audit``, ``regenerate``, ``train`` and ``evaluate``); and which compute dtype runs fastest there."""
+``precompute``, ``audit``, ``regenerate``, ``train`` and ``evaluate``); which compute dtype runs fastest there; and
+the dtype names every ``--dtype`` and ``--model-dtype`` takes (:data:`DTYPES`)."""
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 
 import torch
 
 from speccache.errors import UsageError
 
-__all__ = ["check_device", "fast_compute_dtype", "target_device"]
+__all__ = ["DTYPES", "TORCH_DTYPE_NAMES", "check_device", "dtype_name", "fast_compute_dtype", "target_device"]
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""The dtype names of ``--dtype`` (storage) and ``--model-dtype`` (the target's compute, besides ``auto``)."""
+
+TORCH_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+"""torch's names of the :data:`DTYPES`, which every ``--dtype`` and ``--model-dtype`` also takes."""
+
+
+def dtype_name(name: str, flag: str, choices: Sequence[str] = tuple(DTYPES)) -> str:
+    """``name`` given to ``flag`` as a key of :data:`DTYPES` (or another of ``choices``): every command takes the
+    short names (``bf16``) and torch's (``bfloat16``), and records the short one.
+
+    Raises:
+        ValueError: neither, naming ``flag`` and ``choices``.
+    """
+    short = TORCH_DTYPE_NAMES.get(name, name)
+    if short not in choices:
+        raise UsageError(
+            f"{flag} {name!r} is unknown; choose one of {', '.join(choices)} (torch's names, as bfloat16, too)"
+        )
+    return short
 
 
 def check_device(device: str | None) -> None:

@@ -14,9 +14,9 @@ from typing import Any, cast
 
 import torch
 
+from speccache.devices import DTYPES
 from speccache.errors import CacheExistsError
 from speccache.format import atomic_write
-from speccache.methods.base import DTYPES
 from speccache.read import CacheDataset
 
 __all__ = [

@@ -59,7 +59,8 @@ from speccache.errors import CacheFormatError, UsageError
 from speccache.format import LENGTHS_KEY, SOURCE_ROW_KEY, Manifest, ShardFile, shard_path, validate_contiguous_shards
 from speccache.format.durable import ensure_writable_dir, writes_to
 from speccache.methods import eagle3, layers
-from speccache.methods.base import read_side_file
+from speccache.methods.eagle3_producer import eagle3_schema, vocab_mapping
+from speccache.methods.side import read_side_file
 from speccache.read.source import open_source
 from speccache.units import human_bytes
 from speccache.write import CacheWriter, SideFile
@@ -337,7 +338,7 @@ def import_nemo_eagle3(src: str, out: str, resume: bool = False) -> Manifest:
     topk = int(nemo.get("target_probs_topk") or 0)
     supervision = eagle3.Supervision("topk", topk) if 0 < topk < draft else eagle3.Supervision("probs")
     dtype = DTYPES[nemo["dtype"]]
-    schema = eagle3.eagle3_schema(hidden, dtype, supervision, draft, draft == vocab)
+    schema = eagle3_schema(hidden, dtype, supervision, draft, draft == vocab)
     config = {
         "method": "eagle3",
         "imported_from": os.path.abspath(src),
@@ -360,7 +361,7 @@ def import_nemo_eagle3(src: str, out: str, resume: bool = False) -> Manifest:
         return oc.open_seed_shard(src, index, keys, num_samples, shard_size, "NeMo EAGLE-3")
 
     def side() -> dict[str, torch.Tensor]:
-        return {"embed_tokens": ShardFile(embeddings).tensor("weight").clone(), **eagle3.vocab_mapping(selected, vocab)}
+        return {"embed_tokens": ShardFile(embeddings).tensor("weight").clone(), **vocab_mapping(selected, vocab)}
 
     writer = CacheWriter(
         out,

@@ -22,7 +22,7 @@ import torch
 
 from speccache.compat._base import BadFile, Entry, PeerExport, PeerImport, Target, check, own, scan, torch_save
 from speccache.errors import CacheFormatError
-from speccache.methods import eagle3, layers
+from speccache.methods import eagle3, eagle3_producer, layers
 from speccache.read import CacheDataset
 from speccache.read.source import CacheSource
 
@@ -180,7 +180,9 @@ def import_plan(src: str, target: Target, layer_ids: Sequence[int] | None, encod
     aux = list(layer_ids) if layer_ids is not None else eagle3.default_aux_layers(target.num_layers)
     features = dtype[0] if dtype else torch.bfloat16
     supervision = eagle3.Supervision("hidden")
-    schema = eagle3.eagle3_schema(target.hidden, features, supervision, draft, draft == target.vocab, encodings)
+    schema = eagle3_producer.eagle3_schema(
+        target.hidden, features, supervision, draft, draft == target.vocab, encodings
+    )
     config = {
         "method": eagle3.CACHE_NAME,
         "aux_layers": aux,
@@ -207,7 +209,7 @@ def import_plan(src: str, target: Target, layer_ids: Sequence[int] | None, encod
         return {
             "embed_tokens": target.embed_tokens.to(features).contiguous(),
             "lm_head": head[selected].to(features).contiguous(),
-            **eagle3.vocab_mapping(selected, target.vocab),
+            **eagle3_producer.vocab_mapping(selected, target.vocab),
         }
 
     return PeerImport(eagle3.CACHE_NAME, schema, config, entries, skipped, side, eagle3.SIDE_FILE, rows)

@@ -18,7 +18,7 @@ import torch
 from speccache.compat._base import BadFile, PeerExport, PeerImport, Target, check, scan, torch_save
 from speccache.errors import CacheFormatError, UsageError
 from speccache.format import write_safetensors
-from speccache.methods import eagle3, layers
+from speccache.methods import eagle3, layers, layers_producer
 from speccache.read.source import CacheSource
 
 __all__ = ["HS_DIR", "SPECULATORS", "TOKEN_FREQ", "export_plan", "import_plan", "speculators_hs_path"]
@@ -93,7 +93,7 @@ def import_plan(src: str, target: Target, layer_ids: Sequence[int] | None, encod
     aux = list(layer_ids)
     if target.num_layers - 1 in aux:
         raise UsageError(f"--layers {aux}: the last layer {target.num_layers - 1} is the file's last entry already")
-    selection = layers.LayerSelection(tuple(aux), target.num_layers, last_hidden=False, last_prenorm=True)
+    selection = layers_producer.LayerSelection(tuple(aux), target.num_layers, last_hidden=False, last_prenorm=True)
     keys = [f.key for f in selection.features()]
     want = len(aux) + 1
     dtype: list[torch.dtype] = []
@@ -130,11 +130,11 @@ def import_plan(src: str, target: Target, layer_ids: Sequence[int] | None, encod
     entries, skipped = scan(names, lambda row, _name: load(row, False)["input_ids"].numel())
     first = load(entries[0].source_row, True) if entries else {}
     features = first[keys[0]].dtype if first else torch.bfloat16
-    schema = layers.layers_schema(selection, target.hidden, features, encodings)
+    schema = layers_producer.layers_schema(selection, target.hidden, features, encodings)
     config = {"method": layers.CACHE_NAME, **selection.manifest_config(target.config)}
 
     def side() -> dict[str, torch.Tensor]:
-        return layers.side_tensors(target.embed_tokens.to(features), target.lm_head.to(features), tied=False)
+        return layers_producer.side_tensors(target.embed_tokens.to(features), target.lm_head.to(features), tied=False)
 
     return PeerImport(
         layers.CACHE_NAME, schema, config, entries, skipped, side, layers.SIDE_FILE, lambda e: load(e.source_row, True)

@@ -27,7 +27,7 @@ class GenerationSettings:
 
     Attributes:
         model: the Hugging Face model directory.
-        dtype: the target's compute dtype, a key of :data:`speccache.methods.base.DTYPES`.
+        dtype: the target's compute dtype, a key of :data:`speccache.devices.DTYPES`.
         device: ``--device`` (the ``hf`` generator's; ``None``: CUDA when available).
         batch_size: the most rows generated together.
         max_new_tokens: the most tokens per answer.

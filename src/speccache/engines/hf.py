@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from speccache.devices import target_device
+from speccache.devices import DTYPES, target_device
 from speccache.engines._hf_load import (
     Checkpoint,
     check_tp_plan,
@@ -44,7 +44,7 @@ from speccache.engines._hf_load import (
 )
 from speccache.engines.base import EngineSettings, check_gpu_memory_utilization
 from speccache.errors import UsageError
-from speccache.methods.base import DTYPES, CaptureRequest, LoadedTarget
+from speccache.methods.base import CaptureRequest, LoadedTarget
 from speccache.methods.decoder import decoder_calls, decoder_layers, forward_capturing
 from speccache.write import Comm
 from speccache.write.dist import (

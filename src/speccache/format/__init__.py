@@ -61,6 +61,7 @@ __all__ = [
     "SOURCE_ROW_KEY",
     "STAT_PREFIX",
     "SHARD_RE",
+    "SOURCE_ROW_KEY",
     "TMP_MARK",
     "CacheLock",
     "KeySpec",

@@ -72,6 +72,8 @@ LENGTHS_KEY = "__lengths__"
 STAT_PREFIX = "__stat__."
 """In-memory batch entries ``__stat__.NAME``: float ``[n]`` per-sample statistics a producer computed (e.g. the
 target's mean entropy); the shard writer keeps them in the shard's ``sample_stats`` metadata, not as tensors."""
+SOURCE_ROW_KEY = "source_row"
+"""Fixed int64 key: each sample's 0-based row in the data file it was built from (every method's schema has it)."""
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_ELEMENTS = 2**62
 """Bound on a tensor's element count (of its non-zero dimensions): beyond it torch's strides overflow."""

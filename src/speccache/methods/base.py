@@ -8,7 +8,7 @@ in :mod:`.registry` and calls it: a new method is one module of this room and on
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -17,51 +17,20 @@ import xxhash
 from torch import nn
 
 from speccache.data import TokenizedSamples
-from speccache.errors import CacheFormatError, UsageError
-from speccache.format import Schema, ShardFile
+from speccache.format import Schema
 from speccache.methods.decoder import Capture
 from speccache.write import Comm
 
 __all__ = [
-    "DTYPES",
-    "TORCH_DTYPE_NAMES",
-    "dtype_name",
     "CaptureRequest",
     "LoadedTarget",
     "Method",
     "MethodPlan",
     "MethodTarget",
-    "TIED_KEY",
-    "read_side_file",
-    "stores_head",
-    "tied_metadata",
-    "ties_embeddings",
     "PrePass",
     "model_config_hash",
     "text_config",
 ]
-
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-"""The dtype names of ``--dtype`` (storage) and ``--model-dtype`` (the target's compute, besides ``auto``)."""
-
-TORCH_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-"""torch's names of the :data:`DTYPES`, which every ``--dtype`` and ``--model-dtype`` also takes."""
-
-
-def dtype_name(name: str, flag: str, choices: Sequence[str] = tuple(DTYPES)) -> str:
-    """``name`` given to ``flag`` as a key of :data:`DTYPES` (or another of ``choices``): every command takes the
-    short names (``bf16``) and torch's (``bfloat16``), and records the short one.
-
-    Raises:
-        ValueError: neither, naming ``flag`` and ``choices``.
-    """
-    short = TORCH_DTYPE_NAMES.get(name, name)
-    if short not in choices:
-        raise UsageError(
-            f"{flag} {name!r} is unknown; choose one of {', '.join(choices)} (torch's names, as bfloat16, too)"
-        )
-    return short
 
 
 def model_config_hash(model_config: Any) -> str:
@@ -76,58 +45,6 @@ def model_config_hash(model_config: Any) -> str:
 def text_config(model_config: Any) -> Any:
     """The text model's config of ``model_config`` (itself for a text-only model)."""
     return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-
-
-# ---------------------------------------------------------------------------
-# side files: a tied target's head is stored once
-
-TIED_KEY = "tie_word_embeddings"
-"""The side-file metadata entry of a tied target whose file leaves ``lm_head`` out (absent before tied targets
-were stored once)."""
-
-
-def ties_embeddings(model_config: Any) -> bool:
-    """Whether the target's config ties its LM head to its input embedding (transformers' ``tie_word_embeddings``)."""
-    return bool(getattr(model_config, TIED_KEY, False))
-
-
-def tied_metadata(tied: bool) -> dict[str, str]:
-    """A side file's metadata entries for a target that does (``tied``) or does not tie its head."""
-    return {TIED_KEY: "true"} if tied else {}
-
-
-def stores_head(embed_tokens: torch.Tensor, lm_head: torch.Tensor, tied: bool) -> bool:
-    """Whether a side file stores ``lm_head`` besides ``embed_tokens``: not when it is the embedding, as
-    transformers ties them (the config says so and the checkpoint's head, if it has one, is equal)."""
-    return not (tied and torch.equal(lm_head, embed_tokens))
-
-
-def read_side_file(path: str, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
-    """The tensors ``names`` (default: all) of a side file, as copies. A tied target's file that stores the
-    matrix once gives ``lm_head`` as the tensor an untied file stores (the draft rows of ``embed_tokens`` where
-    the file holds ``selected_token_ids``, else the whole embedding), so every reader sees the same tensors.
-
-    Raises:
-        CacheFormatError: a named tensor the file does not hold.
-    """
-    side = ShardFile(path)
-    try:
-        tied = side.metadata.get(TIED_KEY) == "true" and "lm_head" not in side.keys()
-        stored = list(side.keys()) + (["lm_head"] if tied else [])
-        missing = sorted(set(names or ()) - set(stored))
-        if missing:
-            raise CacheFormatError(
-                f"{path}: the side file lacks {missing} (it holds {sorted(stored)}), which this reader needs; "
-                "use a cache written by speccache precompute"
-            )
-        out = {name: side.tensor(name).clone() for name in side.keys() if names is None or name in names}
-        if tied and (names is None or "lm_head" in names):
-            embed = side.tensor("embed_tokens")
-            rows = side.tensor("selected_token_ids") if "selected_token_ids" in side.keys() else None
-            out["lm_head"] = embed.clone() if rows is None else embed[rows]
-        return out
-    finally:
-        side.close()
 
 
 @dataclass(frozen=True)

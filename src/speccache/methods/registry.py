@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from speccache.errors import UsageError
 from speccache.methods.base import Method
-from speccache.methods.eagle3 import EAGLE3
-from speccache.methods.layers import LAYERS
+from speccache.methods.eagle3_producer import EAGLE3
+from speccache.methods.layers_producer import LAYERS
 
 __all__ = ["DEFAULT_METHOD", "METHODS", "method_for"]
 

@@ -53,14 +53,15 @@ from typing import Any
 import torch
 
 from speccache.data import load_chat_tokenizer, tokenizer_hash
-from speccache.devices import target_device
+from speccache.devices import DTYPES, target_device
 from speccache.engines.hf import load_target
 from speccache.errors import AuditError, SpeccacheError
 from speccache.format import LENGTHS_KEY, SOURCE_ROW_KEY, Manifest
-from speccache.methods.base import DTYPES, LoadedTarget, model_config_hash
+from speccache.methods.base import LoadedTarget, model_config_hash
 from speccache.methods.eagle3 import CACHE_NAME as EAGLE3
 from speccache.methods.eagle3 import SIDE_FILE as EAGLE3_SIDE
-from speccache.methods.eagle3 import Eagle3Target, Supervision, read_side_file
+from speccache.methods.eagle3 import Supervision, read_side_file
+from speccache.methods.eagle3_producer import Eagle3Target
 from speccache.precompute._tokens import batch_pad_id, pad_tokens
 from speccache.read import CacheDataset
 from speccache.read.dataset import NO_VERIFY_HELP

@@ -12,10 +12,10 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from speccache.data import REASONING_MODES, TURN_MODES, check_dropped_mode, check_model_source, data_root, is_hub_id
+from speccache.devices import DTYPES, dtype_name
 from speccache.engines.registry import DEFAULT_ENGINE, engine_class
 from speccache.errors import DataError, UsageError
 from speccache.format.encoding import parse_encodings
-from speccache.methods.base import DTYPES, dtype_name
 from speccache.methods.finite import check_nonfinite_mode
 from speccache.methods.layers import parse_layer_ids
 from speccache.methods.registry import DEFAULT_METHOD, method_for

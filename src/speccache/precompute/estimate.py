@@ -60,8 +60,9 @@ from speccache.format import (
     safetensors_prefix,
 )
 from speccache.format.shard import shard_metadata
-from speccache.methods.base import tied_metadata, ties_embeddings
-from speccache.methods.eagle3 import CACHE_NAME, Supervision, sample_stat_names
+from speccache.methods.eagle3 import CACHE_NAME, Supervision
+from speccache.methods.eagle3_producer import sample_stat_names
+from speccache.methods.side import tied_metadata, ties_embeddings
 from speccache.units import human_bytes
 
 __all__ = [
@@ -199,7 +200,7 @@ def _sample_stats(plan: Any) -> dict[str, list[Any]] | None:
 
 
 def _weight_dtype(model_config: Any, model_dtype: str) -> torch.dtype:
-    from speccache.methods.base import DTYPES
+    from speccache.devices import DTYPES
 
     if model_dtype != "auto":
         return DTYPES[model_dtype]
@@ -249,7 +250,7 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
     Raises:
         UsageError, DataError, FileNotFoundError: what ``precompute`` would reject before loading the model.
     """
-    from speccache.methods.base import DTYPES
+    from speccache.devices import DTYPES
     from speccache.precompute.report import padded_layout_stats
     from speccache.precompute.run import make_plan
 

@@ -50,7 +50,7 @@ from speccache.data.regenerated import (
     read_progress,
 )
 from speccache.data.template import ChatFormat, split_generated_reasoning, text_after_turn
-from speccache.devices import check_device
+from speccache.devices import TORCH_DTYPE_NAMES, check_device, dtype_name
 from speccache.engines.base import add_gpu_memory_utilization_argument, check_gpu_memory_utilization
 from speccache.engines.generation import GenerationSettings, Generator
 from speccache.engines.registry import GENERATORS, generator_class
@@ -58,7 +58,6 @@ from speccache.errors import CacheCorruptError, CacheExistsError, ConfigMismatch
 from speccache.format import durable
 from speccache.format.durable import ensure_writable_dir, file_checksum, remove_temp_files, writes_to
 from speccache.format.lock import CacheLock
-from speccache.methods.base import TORCH_DTYPE_NAMES, dtype_name
 from speccache.units import counted
 
 __all__ = ["RegenerateConfig", "RegenerateResult", "regenerate", "register_commands"]

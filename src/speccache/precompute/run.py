@@ -36,6 +36,7 @@ from speccache.data import (
     merge_parts,
     tokenizer_hash,
 )
+from speccache.devices import DTYPES
 from speccache.engines.base import Engine
 from speccache.engines.registry import engine_class
 from speccache.errors import DataError, SpeccacheError
@@ -51,7 +52,6 @@ from speccache.format import (
     shard_samples,
 )
 from speccache.methods.base import (
-    DTYPES,
     LoadedTarget,
     Method,
     MethodPlan,

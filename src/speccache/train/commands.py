@@ -10,9 +10,8 @@ from typing import Any, cast
 import torch
 
 from speccache.data import check_model_source
-from speccache.devices import target_device
+from speccache.devices import DTYPES, dtype_name, target_device
 from speccache.errors import UsageError
-from speccache.methods.base import DTYPES, dtype_name
 from speccache.read.dataset import NO_VERIFY_HELP
 from speccache.units import counted
 

@@ -29,9 +29,8 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import Sampler
 
-from speccache.devices import target_device
+from speccache.devices import DTYPES, dtype_name, target_device
 from speccache.errors import UsageError
-from speccache.methods.base import DTYPES, dtype_name
 from speccache.methods.eagle3 import (
     CACHE_NAME,
     SIDE_FILE,
