@@ -52,8 +52,6 @@ def specific_settings() -> set[str]:
 ALLOWED = {
     # PrecomputeConfig parses --aux-layers and --layers with methods/layers.py's parse_layer_ids
     "config.py": {"speccache.methods.layers"},
-    # the method flags are still declared by add_precompute_arguments (shared with estimate)
-    "command.py": set(MethodSettings.__annotations__),
 }
 FIELDS = {"config.py": {*MethodSettings.__annotations__, *EngineSettings.__annotations__}}
 """Settings a module may declare as class fields and name nowhere else: PrecomputeConfig's, which implement the

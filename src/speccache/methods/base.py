@@ -7,6 +7,7 @@ in :mod:`.registry` and calls it: a new method is one module of this room and on
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -160,6 +161,10 @@ class Method(Protocol):
     cache_name: str
     side_file: str
     presets: Mapping[str, str]
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        """Add the flags of this method's own settings to ``precompute``'s and ``estimate``'s parser (each
+        :class:`MethodSettings` field it alone reads; their defaults are ``PrecomputeConfig``'s)."""
 
     def check_flags(self, cfg: MethodSettings) -> None:
         """Refuse, before anything is read, the flags this method does not take (``UsageError``: the CLI exits 2)."""

@@ -6,6 +6,7 @@ What the cache stores, its alignment and its trainer-facing readers: :mod:`specc
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 from collections.abc import Mapping, Sequence
@@ -385,6 +386,18 @@ class Eagle3Method:
     presets: Mapping[str, str] = {
         "eagle3": "EAGLE-3: three aux layers (--aux-layers) and --supervision over --draft-vocab-size tokens"
     }
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        """``--aux-layers``, ``--draft-vocab-size``, ``--draft-vocab-from`` and ``--supervision``."""
+        p.add_argument("--aux-layers", help="three decoder layer ids, e.g. 1,15,28 (default [1, L//2-1, L-4])")
+        p.add_argument("--draft-vocab-size", type=int, help="draft vocabulary size (default: the target's)")
+        p.add_argument(
+            "--draft-vocab-from",
+            metavar="TRAIN_CACHE",
+            help="eagle3: take the draft vocabulary from this cache of the same target instead of counting this "
+            "data's tokens (a held-out cache that does not leak into the training cache's vocabulary)",
+        )
+        p.add_argument("--supervision", help="hidden (default), probs, or topk:K")
 
     def check_flags(self, cfg: MethodSettings) -> None:
         """``--supervision`` must parse; the layer methods' flags are refused."""

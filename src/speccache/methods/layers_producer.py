@@ -7,6 +7,7 @@ What a layers cache stores and its trainer-facing readers: :mod:`speccache.metho
 
 from __future__ import annotations
 
+import argparse
 import functools
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -269,6 +270,19 @@ class LayersMethod:
     cache_name = CACHE_NAME
     side_file = SIDE_FILE
     presets: Mapping[str, str] = PRESETS
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        """``--layers``, ``--last-hidden`` and ``--last-prenorm``."""
+        p.add_argument(
+            "--layers",
+            help="layer methods: layer ids to store, e.g. 1,9,17 (-1 the embeddings; default: the preset's)",
+        )
+        p.add_argument("--last-hidden", action="store_true", help="--method layers: also store last_hidden_state")
+        p.add_argument(
+            "--last-prenorm",
+            action="store_true",
+            help="layer methods: also store the last layer's output before the norm",
+        )
 
     def check_flags(self, cfg: MethodSettings) -> None:
         """EAGLE-3's ``--supervision`` (other than hidden), ``--aux-layers``, ``--draft-vocab-size`` and

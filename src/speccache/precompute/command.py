@@ -65,23 +65,8 @@ def add_precompute_arguments(p: argparse.ArgumentParser) -> None:
         help="dtype to run the target in: auto (checkpoint), bf16, fp16, fp32; the side file's weights are stored "
         "in it",
     )
-    p.add_argument("--aux-layers", help="three decoder layer ids, e.g. 1,15,28 (default [1, L//2-1, L-4])")
-    p.add_argument(
-        "--layers",
-        help="layer methods: layer ids to store, e.g. 1,9,17 (-1 the embeddings; default: the preset's)",
-    )
-    p.add_argument("--last-hidden", action="store_true", help="--method layers: also store last_hidden_state")
-    p.add_argument(
-        "--last-prenorm", action="store_true", help="layer methods: also store the last layer's output before the norm"
-    )
-    p.add_argument("--draft-vocab-size", type=int, help="draft vocabulary size (default: the target's)")
-    p.add_argument(
-        "--draft-vocab-from",
-        metavar="TRAIN_CACHE",
-        help="eagle3: take the draft vocabulary from this cache of the same target instead of counting this "
-        "data's tokens (a held-out cache that does not leak into the training cache's vocabulary)",
-    )
-    p.add_argument("--supervision", help="hidden (default), probs, or topk:K")
+    for method in dict.fromkeys(METHODS.values()):  # a method with several presets adds its flags once
+        method.add_arguments(p)
     p.add_argument("--encode", help="per-feature encodings, e.g. aux_hidden_states=fp8,last_hidden_state=zbf16")
     p.add_argument("--limit", type=int, help="use only the first N usable rows")
     p.add_argument(
