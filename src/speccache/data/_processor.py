@@ -18,13 +18,13 @@ from typing import Any
 
 from speccache.errors import DataError, UsageError
 
-__all__ = ["ProcessorRecord", "image_only", "load_processor", "processor_record"]
+__all__ = ["ProcessorRecord", "image_only", "load_processor", "processor_record", "vision_processor_class"]
 
 _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 _PIXEL_SIZE_FLAGS = ("min_pixels", "max_pixels")
 
 
-def image_only(processor_cls: type) -> type:
+def image_only(processor_cls: Any) -> Any:
     """The subclass of ``processor_cls`` (a processor class with a video processor) that has none.
 
     Args:
@@ -57,6 +57,17 @@ def _processor_class(path: str) -> str | None:
     return None
 
 
+def vision_processor_class(path: str) -> str | None:
+    """The multimodal processor class model directory ``path`` names (``Qwen2_5_VLProcessor``...); None for a
+    text-only model (no processor files, or a tokenizer only).
+
+    Raises:
+        DataError: a processor file is not readable JSON.
+    """
+    name = _processor_class(path)
+    return None if name is None or name.endswith(("Tokenizer", "TokenizerFast")) else name
+
+
 def load_processor(path: str, min_pixels: int | None = None, max_pixels: int | None = None) -> Any | None:
     """The processor of model directory ``path``; None when it has none (a text-only target).
 
@@ -74,8 +85,8 @@ def load_processor(path: str, min_pixels: int | None = None, max_pixels: int | N
     """
     import transformers
 
-    name = _processor_class(path) if os.path.isdir(path) else None
-    if name is None or name.endswith("TokenizerFast") or name.endswith("Tokenizer"):
+    name = vision_processor_class(path) if os.path.isdir(path) else None
+    if name is None:
         if min_pixels is not None or max_pixels is not None:
             raise UsageError(
                 f"--min-pixels/--max-pixels: {path} has no image processor (a text-only target); drop the flags"
@@ -113,7 +124,7 @@ def _set_pixel_limits(processor: Any, path: str, min_pixels: int | None, max_pix
 
 def _size_settings(image_processor: Any) -> dict:
     """The image processor's ``size`` settings that are set, as a plain dict."""
-    size = getattr(image_processor, "size", None)
+    size: Any = getattr(image_processor, "size", None)
     if dataclasses.is_dataclass(size) and not isinstance(size, type):
         size = dataclasses.asdict(size)
     return {k: v for k, v in dict(size or {}).items() if v is not None}

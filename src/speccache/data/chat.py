@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +62,7 @@ from speccache.data._samples import (
     dropped_error,
     keep,
 )
+from speccache.data._vision import Vision
 from speccache.data.template import ChatFormat, chat_format
 
 __all__ = ["load_samples", "merge_parts", "tokenize_row"]
@@ -101,7 +103,7 @@ def tokenize_row(
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
-    encoded, _ = encode(row, tokenizer, fmt or _default_format(tokenizer), where)
+    encoded, _, _ = encode(row, tokenizer, fmt or _default_format(tokenizer), where)
     kept = [(turn, ids, mask) for turn, ids, mask in encoded or () if mask[:max_length].any()]
     if not kept:
         return None
@@ -121,6 +123,8 @@ def load_samples(
     part: tuple[int, int] = (0, 1),
     split: str | None = None,
     on_dropped: str = "warn",
+    processor: Any = None,
+    image_root: str | None = None,
 ) -> tuple[TokenizedSamples, DataStats]:
     """Read and tokenize a data file, in file order.
 
@@ -136,6 +140,10 @@ def load_samples(
         split: The split of a saved ``DatasetDict`` or hub dataset.
         on_dropped: A row whose rendering lacks a field it carries (:func:`dropped_fields`) is kept and counted
             in ``DataStats.dropped`` (``warn``), skipped as ``dropped_fields`` (``skip``), or an error (``fail``).
+        processor: A vision-language target's processor (:mod:`speccache.data._processor`): chat rows, with
+            images or without, are rendered by it (ids with each image's tokens; docs/vision.md). None: a
+            text-only target, and a row with images is a row error.
+        image_root: The folder relative image paths resolve against (default: the data file's folder).
 
     Returns:
         The usable samples (possibly none) and what was read, skipped and dropped.
@@ -161,8 +169,10 @@ def load_samples(
         return builder.build(), stats
     fmt = fmt or _default_format(tokenizer)
     rows = (r for i, r in enumerate(raw_rows(path, split)) if i % world == rank)
-    with Encoder(tokenizer, fmt, num_proc) as encoder:
-        for row_no, where, encoded, error, dropped in encoder.encode(rows):
+    root = image_root or os.path.dirname(os.path.abspath(path))
+    vision = None if processor is None else Vision(processor, root)
+    with Encoder(tokenizer, fmt, num_proc, vision) as encoder:
+        for row_no, where, encoded, error, dropped, images in encoder.encode(rows):
             stats.rows_read += 1
             if error is None and dropped and on_dropped != "warn":
                 error = dropped_error(where, dropped, on_dropped)
@@ -174,7 +184,7 @@ def load_samples(
                     raise error
                 stats.skip(row_no, error.reason, str(error))
                 continue
-            if keep(builder, stats, row_no, encoded, max_length):
+            if keep(builder, stats, row_no, encoded, max_length, images):
                 stats.drop([DroppedField(row_no, where, message, name) for message, name in dropped])
                 if limit is not None and len(builder) >= limit:
                     break
@@ -193,7 +203,7 @@ def merge_parts(parts: Sequence[tuple[TokenizedSamples, DataStats]]) -> tuple[To
     ]
     for row, k, i in heapq.merge(*rows):
         ids, mask = parts[k][0].arrays(i)
-        builder.add(ids, mask, row, int(parts[k][0].turns[i]))
+        builder.add(ids, mask, row, int(parts[k][0].turns[i]), parts[k][0].images.get(i, ()))
     for _, part_stats in parts:
         stats.rows_read += part_stats.rows_read
         stats.rows_truncated += part_stats.rows_truncated
