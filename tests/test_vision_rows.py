@@ -352,3 +352,19 @@ def test_the_plan_records_what_makes_the_pixels(targets, images, tmp_path):
     }
     text_only = PrecomputeConfig(model=ensure_real_target(), data=data, out="", method="layers", layers=[1])
     assert "vision" not in make_plan(text_only).manifest_config
+
+
+def test_the_mask_is_carried_past_expansions_and_refused_where_they_touch_an_answer():
+    from speccache.data import RowFailure
+    from speccache.data._vision import _carry
+
+    ids = np.array([1, 2, 9, 3, 4, 5, 6, 8])  # 9: an image placeholder; 5, 6: the answer
+    mask = np.array([0, 0, 0, 0, 0, 1, 1, 0], dtype=np.uint8)
+    # the placeholder became a newline token, the image's tokens (7) and another token; a BOS came first
+    expanded = np.array([0, 1, 2, 11, 7, 7, 7, 7, 12, 3, 4, 5, 6, 8])
+    assert _carry(ids, mask, expanded, 7, "r:1").tolist() == [0] * 11 + [1, 1, 0]
+    with pytest.raises(RowFailure, match="r:1: .*the processor's image expansion changes assistant tokens") as info:
+        _carry(ids, np.array([0, 0, 1, 0, 0, 1, 1, 0], dtype=np.uint8), expanded, 7, "r:1")
+    assert info.value.reason == "mask_unplaceable"
+    with pytest.raises(RowFailure, match="changes assistant tokens"):  # no way back in step
+        _carry(ids, mask, np.array([1, 2, 7, 7, 13, 14, 15, 16]), 7, "r:1")

@@ -5,12 +5,12 @@ which expands each image's placeholder into the image's tokens. The loss mask is
 :mod:`speccache.data.template` builds on the unexpanded rendering (the same template, the images as bare
 placeholders), carried onto the expanded ids by aligning the two id sequences: tokens the expansion leaves alone
 keep their mask, tokens it writes (the image tokens) are never supervised, and an assistant token the expansion
-changes is a row error (``mask_unplaceable``).
+changes, or a difference wider than 64 tokens (each image's run of image tokens counted as one), is a row error
+(``mask_unplaceable``).
 """
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,17 +47,46 @@ def image_token_id(processor: Any) -> int:
     return int(tokenizer.convert_tokens_to_ids(token))
 
 
-def _carry(unexpanded: np.ndarray, mask: np.ndarray, expanded: np.ndarray, where: str) -> np.ndarray:
-    """``mask`` (of ``unexpanded``) moved onto ``expanded``; 0 on every token the expansion wrote."""
-    out = np.zeros(len(expanded), dtype=np.uint8)
-    matcher = difflib.SequenceMatcher(None, unexpanded.tolist(), expanded.tolist(), autojunk=False)
-    for op, a, b, c, d in matcher.get_opcodes():
-        if op == "equal":
-            out[c:d] = mask[a:b]
-        elif mask[a:b].any():
+_ANCHOR = 4  # tokens that must agree for the two renderings to be back in step after an image
+_WINDOW = 64  # how far (in tokens, each image's run of image tokens counted as one) an image may shift them
+
+
+def _resync(a: list[int], b: list[int], i: int, j: int) -> tuple[int, int] | None:
+    """The least ``(di, dj)`` (by their sum) after which ``a[i + di:]`` and ``b[j + dj:]`` agree again for
+    :data:`_ANCHOR` tokens, or both end; None if none lies within :data:`_WINDOW`."""
+    for total in range(1, 2 * _WINDOW + 1):
+        for di in range(max(0, total - _WINDOW), min(total, _WINDOW) + 1):
+            x, y = i + di, j + total - di
+            if x <= len(a) and y <= len(b) and a[x : x + _ANCHOR] == b[y : y + _ANCHOR]:
+                return di, total - di
+    return None
+
+
+def _carry(unexpanded: np.ndarray, mask: np.ndarray, expanded: np.ndarray, image_token: int, where: str) -> np.ndarray:
+    """``mask`` (of ``unexpanded``) moved onto ``expanded``; 0 on every token the expansion wrote.
+
+    The two agree but where an image's placeholder was expanded (the image's tokens, and whatever the
+    processor writes and re-tokenizes around them), so they are walked together, getting back in step past each
+    difference; each run of image tokens counts as one token, so the walk is linear in the length.
+    """
+    keep = np.ones(len(expanded), dtype=bool)
+    keep[1:] = (expanded[1:] != image_token) | (expanded[:-1] != image_token)
+    a, b, m = unexpanded.tolist(), expanded[keep].tolist(), mask.tolist()
+    carried = [0] * len(b)
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i] == b[j]:
+            carried[j] = m[i]
+            i, j = i + 1, j + 1
+            continue
+        step = _resync(a, b, i, j)
+        if step is None or any(m[i : i + step[0]]):
             raise unplaceable(where, "the processor's image expansion changes assistant tokens")
-    if int(out.sum()) != int(mask.sum()):
+        i, j = i + step[0], j + step[1]
+    if any(m[i:]) or sum(carried) != sum(m):
         raise unplaceable(where, "the processor's rendering differs from the chat template's")
+    out = np.zeros(len(expanded), dtype=np.uint8)
+    out[keep] = carried
     return out
 
 
@@ -102,7 +131,7 @@ def encode_images(
         part = messages[:end]
         ids, mask, text = masked_text(tokenizer, fmt, _bare(part), name, tools, turns)
         expanded = _processor_ids(vision, fmt, part, tools, name)
-        samples.append((turn, expanded, _carry(ids, mask, expanded, name)))
+        samples.append((turn, expanded, _carry(ids, mask, expanded, image_token_id(vision.processor), name)))
         sources.append(_sources(part, images))
         texts.append(text)
     kept = messages[: ends[-1] + 1] if fmt.expand_turns else messages
