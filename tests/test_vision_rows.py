@@ -368,3 +368,15 @@ def test_the_mask_is_carried_past_expansions_and_refused_where_they_touch_an_ans
     assert info.value.reason == "mask_unplaceable"
     with pytest.raises(RowFailure, match="changes assistant tokens"):  # no way back in step
         _carry(ids, mask, np.array([1, 2, 7, 7, 13, 14, 15, 16]), 7, "r:1")
+
+
+def test_ranks_read_image_rows_as_one_reader_does(targets, images):
+    from speccache.data import merge_parts
+
+    _, tokenizer, processor = targets["gemma3"]
+    data = _write(images / "ranks.jsonl", [row for row, _, _ in _rows(images)])
+    whole = load_samples(data, tokenizer, 4096, processor=processor)[0]
+    parts = [load_samples(data, tokenizer, 4096, processor=processor, part=(r, 2)) for r in range(2)]
+    merged = merge_parts(parts)[0]
+    assert merged == whole and [s.images for s in merged] == [s.images for s in whole]
+    assert sum(bool(s.images) for s in merged) == 3

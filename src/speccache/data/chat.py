@@ -17,7 +17,9 @@ directory ``speccache regenerate`` wrote (its parts' rows in order, once the run
   every other field kept for the template;
 * either chat form with a top-level ``"tools"`` list of tool schemas (or its JSON text);
 * pre-tokenized: ``{"input_ids": [int, ...], "loss_mask": [0|1, ...]}`` of equal, non-zero length; a row
-  with ``input_ids`` is read as pre-tokenized whatever chat text it also holds (regenerate's rows hold both).
+  with ``input_ids`` is read as pre-tokenized whatever chat text it also holds (regenerate's rows hold both);
+* for a vision-language target (``processor``): chat rows with images, as :mod:`speccache.data._images` reads
+  them, rendered by the processor (:mod:`speccache.data._vision`); a row with images is an error otherwise.
 
 Other keys (``"id"``...) are ignored. Rows are named in messages as ``file:line`` (1-based line) for JSON
 lines and ``file[index]`` (0-based) otherwise. A sample's ``source_row`` is its 0-based row number: the
@@ -31,8 +33,11 @@ one sample per assistant turn, and each records its turn beside its ``source_row
 Skip reasons (``DataStats.skipped``): ``malformed`` (not a valid row), ``template_error`` (the chat template
 rejected it), ``mask_unplaceable`` (its assistant turns cannot be located), ``no_assistant_token`` (nothing
 to train on), ``no_assistant_within_max_length`` (its assistant tokens all lie beyond ``max_length``),
-``dropped_fields`` (its rendering lacks a field it carries, with ``on_dropped="skip"``). The first three are
-errors unless ``skip_bad_rows``; the next two are always skipped and counted.
+``dropped_fields`` (its rendering lacks a field it carries, with ``on_dropped="skip"``), ``bad_image`` (an image
+is missing or unreadable), ``image_row_beyond_max_length`` (an image row is longer than ``max_length``: never cut
+inside an image, it is left out whole). ``malformed``, ``template_error``, ``mask_unplaceable`` and ``bad_image``
+are errors unless ``skip_bad_rows``; ``no_assistant_token``, ``no_assistant_within_max_length`` and
+``image_row_beyond_max_length`` are always skipped and counted.
 
 Dropped fields: a chat row's rendering is checked for every field the row carries (:func:`dropped_fields`);
 ``on_dropped`` keeps such a row and counts it (``DataStats.dropped``, ``warn``), skips it, or fails.
