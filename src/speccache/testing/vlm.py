@@ -358,7 +358,7 @@ def build_vlm_target(path: str, family: str, tokenizer: str, seed: int = 0) -> s
 
 
 def ensure_vlm_target(family: str, tokenizer: str, root: str | None = None) -> str:
-    """The tiny ``family`` target's directory, built on first use (rebuilt when ``tokenizer`` changes).
+    """The tiny ``family`` target's directory, built on first use.
 
     Args:
         family: One of :data:`FAMILIES`.
@@ -367,6 +367,9 @@ def ensure_vlm_target(family: str, tokenizer: str, root: str | None = None) -> s
 
     Returns:
         The directory ``<root>/vlm-<family>-v<version>``.
+
+    Raises:
+        FileExistsError: the directory holds another build (e.g. from another tokenizer); delete it.
     """
     root = root or os.environ.get("SPECCACHE_VLM_TARGETS") or os.path.join("~", ".cache", "speccache")
     return build_vlm_target(os.path.join(root, f"vlm-{family}-v{VLM_VERSION}"), family, tokenizer)
