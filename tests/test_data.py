@@ -207,7 +207,8 @@ BAD_ROWS = [
     ({"messages": [{"role": "bot", "content": "x"}]}, r"messages\[0\]\.role must be one of system, user, assistant"),
     ({"conversations": [{"from": "human", "value": 3}]}, r"conversations\[0\]\.value must be a string"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, r"content\[0\] is a text part without"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "'image_url' part; only text parts"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "'input_audio' part; only text parts"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "has images, but the target has no image"),
     ({"messages": [{"role": "user", "content": 3}]}, "string or a list of text parts"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{"x": 1}]}]}, "tool call"),
     (

@@ -413,8 +413,52 @@ def _damaged_reclaim_record(env: Env) -> None:
     read_reclaims(path)
 
 
+def _load_processor_of_text_target() -> None:
+    from speccache.data import load_processor
+    from speccache.demo import ensure_demo_target
+
+    load_processor(ensure_demo_target(), max_pixels=1000)
+
+
+def _images(env: Env, *parts: dict, **fields: Any) -> None:
+    """An image row of a user message with ``parts`` (an assistant message after it), read for a vision target."""
+    from PIL import Image
+
+    from speccache.data._images import image_messages
+
+    (env.tmp / "junk.png").write_bytes(b"not an image")
+    Image.new("RGB", (4, 4)).save(env.tmp / "ok.png")
+    row = {"messages": [{"role": "user", "content": list(parts)}, {"role": "assistant", "content": "ok"}], **fields}
+    image_messages(row, "rows.jsonl:1", str(env.tmp))
+
+
+def _image_url(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
 T = Callable[[Env], Any]
 TRIGGERS: dict[str, T] = {
+    # image rows (a vision-language target's)
+    "cannot be read": lambda e: _images(e, _image_url("missing.png")),
+    "not a readable image": lambda e: _images(e, _image_url("junk.png")),
+    "download the images and give their paths": lambda e: _images(e, _image_url("https://example.com/a.png")),
+    "not valid base64": lambda e: _images(e, _image_url("data:image/png;base64,@@")),
+    "only data:image/...;base64, URIs are read": lambda e: _images(e, _image_url("data:text/plain,hi")),
+    "expected a path, URL or image": lambda e: _images(e, {"type": "image", "image": 5}),
+    "is a video; only images are read": lambda e: _images(e, {"type": "video", "path": "v.mp4"}),
+    "has both 'image' and 'images'": lambda e: _images(e, {"type": "image"}, image="a.png", images=["b.png"]),
+    "but the row has only": lambda e: _images(e, {"type": "image"}, {"type": "image"}, image="ok.png"),
+    "but places only": lambda e: _images(e, {"type": "text", "text": "hi"}, image="junk.png"),
+    "images are read in user messages only": lambda e: _images(
+        e, {"type": "text", "text": "hi"}, messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [_image_url("ok.png")]},
+        ]
+    ),
+    "the row has images, but the target has no image processor": lambda e: _row(
+        {"conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "ok"}], "image": "a.png"}
+    ),
+    "has no image processor (a text-only target)": lambda e: _load_processor_of_text_target(),
     # following a cache while it is written
     "producer has started on this directory": _follow_an_empty_directory,
     "were reclaimed (deleted or moved": lambda e: CacheDataset(_reclaimed(e)),
@@ -598,7 +642,7 @@ TRIGGERS: dict[str, T] = {
     "must be one of": lambda e: _row({"messages": [{"role": "robot", "content": "hi"}]}),
     "must be a string, got": lambda e: _row({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "thinking": 1}]}),
     "must be a string or a list of text parts": lambda e: _row({"messages": [{"role": "user", "content": 1}]}),
-    "part; only text parts": lambda e: _row({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    "part; only text parts": lambda e: _row({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}),
     "is a text part without a string 'text'": lambda e: _row({"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
     "must be a tool call": lambda e: _row({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{}]}]}),
     "the arguments string is not JSON": lambda e: _row({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]}),

@@ -12,6 +12,7 @@ rendering drops), ``_failure`` (``RowFailure``).
 from speccache.data._failure import RowFailure
 from speccache.data._files import data_root, file_content_hash, is_hub_id, iter_rows
 from speccache.data._messages import chat_messages
+from speccache.data._processor import ProcessorRecord, load_processor, processor_record, vision_processor_class
 from speccache.data._samples import (
     DROPPED_MODES,
     DataStats,
@@ -30,6 +31,7 @@ from speccache.data._tokenizer import (
     load_tools_file,
     tokenizer_hash,
 )
+from speccache.data._vision import image_token_id
 from speccache.data.chat import load_samples, merge_parts, tokenize_row
 from speccache.data.template import REASONING_MODES, TURN_MODES, ChatFormat, chat_format, today
 
@@ -39,6 +41,7 @@ __all__ = [
     "ChatFormat",
     "DataStats",
     "DroppedField",
+    "ProcessorRecord",
     "RowFailure",
     "SkippedRow",
     "TokenizedSample",
@@ -51,15 +54,19 @@ __all__ = [
     "data_root",
     "dropped_summary",
     "load_chat_tokenizer",
+    "load_processor",
     "file_content_hash",
+    "image_token_id",
     "is_hub_id",
     "iter_rows",
     "load_samples",
     "load_template_file",
     "load_tools_file",
     "merge_parts",
+    "processor_record",
     "TURN_MODES",
     "today",
     "tokenize_row",
     "tokenizer_hash",
+    "vision_processor_class",
 ]

@@ -8,9 +8,11 @@ import numpy as np
 
 from speccache.data._dropped import dropped_fields
 from speccache.data._failure import not_an_object, row_error
+from speccache.data._images import has_images
 from speccache.data._messages import chat_messages
 from speccache.data._mistral import MistralCommonFormat
 from speccache.data._samples import Sample
+from speccache.data._vision import Vision, encode_images
 from speccache.data.template import ChatFormat, samples_and_text
 from speccache.errors import DataError
 
@@ -53,26 +55,40 @@ def _pretokenized_turns(
 
 
 def encode(
-    row: Any, tokenizer: Any, fmt: ChatFormat | MistralCommonFormat | None, where: str
-) -> tuple[list[Sample] | None, list[tuple[int, str]]]:
-    """Full-length samples of a row (one, or one per assistant turn; None when it has no assistant message), and
-    the ``(message, field)`` pairs the row carries but its samples' text lacks (see :func:`dropped_fields`)."""
+    row: Any, tokenizer: Any, fmt: ChatFormat | MistralCommonFormat | None, where: str, vision: Vision | None = None
+) -> tuple[list[Sample] | None, list[tuple[int, str]], list[tuple[str, ...]]]:
+    """Full-length samples of a row (one, or one per assistant turn; None when it has no assistant message), the
+    ``(message, field)`` pairs the row carries but its samples' text lacks (see :func:`dropped_fields`), and per
+    sample the sources of its images (empty for a text-only target).
+
+    With ``vision`` (a vision-language target) chat rows, with images or without, are rendered by its processor
+    (:mod:`speccache.data._vision`); without it, a row with images is an error."""
     if not isinstance(row, dict):
         raise not_an_object(where, row)
     if "input_ids" in row:
         # The ids win over any chat text beside them: they are exactly what the model saw and wrote (rows of
         # speccache regenerate carry both), and its text re-tokenized may differ.
         ids, mask = _pretokenized(row, tokenizer, where)
-        return _pretokenized_turns(ids, mask, fmt), []
-    messages, tools = chat_messages(row, where)
-    if not any(m["role"] == "assistant" for m in messages):
-        return None, []
+        return _pretokenized_turns(ids, mask, fmt), [], []
+    if vision is None and has_images(row):
+        raise row_error(
+            f"{where}: the row has images, but the target has no image processor (a text-only model); "
+            "use a vision-language target, or drop the images from the row"
+        )
     if fmt is None:
+        messages, _ = chat_messages(row, where)
+        if not any(m["role"] == "assistant" for m in messages):
+            return None, [], []
         raise DataError(
             f"{where}: chat rows need a tokenizer with a chat template, and this tokenizer has none; "
             "pass --chat-template FILE, use a target whose tokenizer defines chat_template, or pre-tokenized rows"
         )
+    if vision is not None:
+        return encode_images(row, tokenizer, fmt, vision, where)
+    messages, tools = chat_messages(row, where)
+    if not any(m["role"] == "assistant" for m in messages):
+        return None, [], []
     samples, text = samples_and_text(tokenizer, fmt, messages, where, tools)
     if fmt.expand_turns:  # its samples end with the last assistant turn
         messages = messages[: max(i for i, m in enumerate(messages) if m["role"] == "assistant") + 1]
-    return samples, dropped_fields(messages, fmt.tools if tools is None else tools, text)
+    return samples, dropped_fields(messages, fmt.tools if tools is None else tools, text), []

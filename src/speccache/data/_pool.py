@@ -14,13 +14,14 @@ from typing import Any
 from speccache.data._encode import encode
 from speccache.data._mistral import MistralCommonFormat
 from speccache.data._samples import Sample
+from speccache.data._vision import Vision
 from speccache.data.template import ChatFormat
 from speccache.errors import DataError
 
 __all__ = ["Encoder"]
 
-# (row, where, samples or None, error or None, dropped (message, field) pairs)
-_Encoded = tuple[int, str, "list[Sample] | None", "DataError | None", "list[tuple[int, str]]"]
+# (row, where, samples or None, error or None, dropped (message, field) pairs, image sources per sample)
+_Encoded = tuple[int, str, "list[Sample] | None", "DataError | None", "list[tuple[int, str]]", "list[tuple[str, ...]]"]
 _WORKER: dict[str, Any] = {}
 _ROWS_PER_TASK = 64
 
@@ -32,23 +33,23 @@ def _encode_rows(rows: list[tuple[int, str, Any]]) -> list[_Encoded]:
         try:
             if isinstance(value, DataError):
                 raise value
-            encoded, dropped = encode(value, _WORKER["tokenizer"], _WORKER["fmt"], where)
-            out.append((row_no, where, encoded, None, dropped))
+            encoded, dropped, images = encode(value, _WORKER["tokenizer"], _WORKER["fmt"], where, _WORKER["vision"])
+            out.append((row_no, where, encoded, None, dropped, images))
         except DataError as e:
-            out.append((row_no, where, None, e, []))
+            out.append((row_no, where, None, e, [], []))
     return out
 
 
-def _init_worker(tokenizer: Any, fmt: ChatFormat | MistralCommonFormat | None) -> None:
-    _WORKER.update(tokenizer=tokenizer, fmt=fmt)
+def _init_worker(tokenizer: Any, fmt: ChatFormat | MistralCommonFormat | None, vision: Vision | None) -> None:
+    _WORKER.update(tokenizer=tokenizer, fmt=fmt, vision=vision)
 
 
-def _init_pool_worker(tokenizer: Any, fmt: ChatFormat | None) -> None:
+def _init_pool_worker(tokenizer: Any, fmt: ChatFormat | None, vision: Vision | None) -> None:
     # Ctrl-C signals the whole process group. A worker interrupted inside a task loses it (or dies holding the task
     # queue's lock), and the pool then waits for that result forever; only the parent stops on Ctrl-C, and the
     # workers finish the tasks in flight as on any other early exit.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _init_worker(tokenizer, fmt)
+    _init_worker(tokenizer, fmt, vision)
 
 
 @contextlib.contextmanager
@@ -76,13 +77,15 @@ def _ctrl_c_held() -> Iterator[None]:
 class Encoder:
     """Encodes rows in order, in ``num_proc`` forked worker processes when ``num_proc > 1``."""
 
-    def __init__(self, tokenizer: Any, fmt: ChatFormat | MistralCommonFormat | None, num_proc: int) -> None:
-        self.tokenizer, self.fmt, self.num_proc = tokenizer, fmt, num_proc
+    def __init__(
+        self, tokenizer: Any, fmt: ChatFormat | MistralCommonFormat | None, num_proc: int, vision: Vision | None = None
+    ) -> None:
+        self.tokenizer, self.fmt, self.num_proc, self.vision = tokenizer, fmt, num_proc, vision
         self.pool: Any = None
         self.in_flight: collections.deque[Any] = collections.deque()
 
     def __enter__(self) -> Encoder:
-        _init_worker(self.tokenizer, self.fmt)
+        _init_worker(self.tokenizer, self.fmt, self.vision)
         if self.num_proc > 1:
             import multiprocessing
 
@@ -91,7 +94,7 @@ class Encoder:
             context = multiprocessing.get_context("fork")
             try:
                 with _ctrl_c_held():
-                    self.pool = context.Pool(self.num_proc, _init_pool_worker, (self.tokenizer, self.fmt))
+                    self.pool = context.Pool(self.num_proc, _init_pool_worker, (self.tokenizer, self.fmt, self.vision))
             except BaseException:
                 self.__exit__()
                 raise

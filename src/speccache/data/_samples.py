@@ -21,6 +21,7 @@ __all__ = [
     "BEYOND_MAX_LENGTH",
     "DROPPED",
     "DROPPED_MODES",
+    "IMAGE_ROW_TOO_LONG",
     "NO_ASSISTANT",
     "DataStats",
     "DroppedField",
@@ -40,6 +41,7 @@ DROPPED_MODES = ("warn", "skip", "fail")
 DROPPED = "dropped_fields"
 NO_ASSISTANT = "no_assistant_token"
 BEYOND_MAX_LENGTH = "no_assistant_within_max_length"
+IMAGE_ROW_TOO_LONG = "image_row_beyond_max_length"
 Sample = tuple[int, np.ndarray, np.ndarray]  # (turn, input_ids, loss_mask); turn -1: the whole row
 
 
@@ -52,12 +54,15 @@ class TokenizedSample:
         loss_mask: 1 where the token is assistant output, else 0; same length as ``input_ids``.
         source_row: 0-based row number of the row in the data file.
         turn: with --expand-turns, the 0-based assistant turn the sample supervises; else -1.
+        images: the sources of the images in the sample, in order (a path, or ``xxh3:<digest>`` of bytes its
+            source row holds); empty for a text sample.
     """
 
     input_ids: list[int]
     loss_mask: list[int]
     source_row: int
     turn: int = -1
+    images: tuple[str, ...] = ()
 
 
 class TokenizedSamples(Sequence[TokenizedSample]):
@@ -67,7 +72,8 @@ class TokenizedSamples(Sequence[TokenizedSample]):
 
     Attributes:
         input_ids: int32 ``[tokens]``; ``loss_mask``: uint8 ``[tokens]``; ``offsets``: int64 ``[n + 1]``;
-        source_rows: int64 ``[n]``; ``turns``: int64 ``[n]`` (-1 unless --expand-turns).
+        source_rows: int64 ``[n]``; ``turns``: int64 ``[n]`` (-1 unless --expand-turns);
+        images: ``{sample index: image sources}`` of the samples that hold images (their pixels are not kept).
     """
 
     def __init__(
@@ -77,9 +83,11 @@ class TokenizedSamples(Sequence[TokenizedSample]):
         offsets: np.ndarray,
         source_rows: np.ndarray,
         turns: np.ndarray | None = None,
+        images: dict[int, tuple[str, ...]] | None = None,
     ):
         self.input_ids, self.loss_mask, self.offsets, self.source_rows = input_ids, loss_mask, offsets, source_rows
         self.turns = np.full(len(source_rows), -1, dtype=np.int64) if turns is None else turns
+        self.images = images or {}
 
     @classmethod
     def empty(cls) -> TokenizedSamples:
@@ -103,7 +111,13 @@ class TokenizedSamples(Sequence[TokenizedSample]):
         if not 0 <= index < len(self):
             raise IndexError(index)
         ids, mask = self.arrays(index)
-        return TokenizedSample(ids.tolist(), mask.tolist(), int(self.source_rows[index]), int(self.turns[index]))
+        return TokenizedSample(
+            ids.tolist(),
+            mask.tolist(),
+            int(self.source_rows[index]),
+            int(self.turns[index]),
+            self.images.get(index, ()),
+        )
 
     @property
     def lengths(self) -> np.ndarray:
@@ -129,11 +143,16 @@ class SampleBuilder:
     def __init__(self) -> None:
         self.chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         self.pending: list[tuple[np.ndarray, np.ndarray, int, int]] = []
+        self.images: dict[int, tuple[str, ...]] = {}
 
     def __len__(self) -> int:
         return sum(len(c[3]) for c in self.chunks) + len(self.pending)
 
-    def add(self, ids: np.ndarray, mask: np.ndarray, source_row: int, turn: int = -1) -> None:
+    def add(
+        self, ids: np.ndarray, mask: np.ndarray, source_row: int, turn: int = -1, images: tuple[str, ...] = ()
+    ) -> None:
+        if images:
+            self.images[len(self)] = images
         self.pending.append((ids, mask, source_row, turn))
         if len(self.pending) >= _CHUNK:
             self._flush()
@@ -162,6 +181,7 @@ class SampleBuilder:
             offsets,
             np.concatenate([c[3] for c in self.chunks]),
             np.concatenate([c[4] for c in self.chunks]),
+            self.images,
         )
 
 
@@ -292,20 +312,38 @@ def dropped_summary(dropped: Mapping[str, int]) -> str:
     )
 
 
-def keep(builder: SampleBuilder, stats: DataStats, row_no: int, encoded: list[Sample] | None, max_length: int) -> bool:
+def keep(
+    builder: SampleBuilder,
+    stats: DataStats,
+    row_no: int,
+    encoded: list[Sample] | None,
+    max_length: int,
+    images: list[tuple[str, ...]] | None = None,
+) -> bool:
     """Add one row's samples to ``builder`` (truncated), or count why it is skipped; returns whether any was added.
 
-    With --expand-turns, a turn with nothing to train on within ``max_length`` gives no sample.
+    With --expand-turns, a turn with nothing to train on within ``max_length`` gives no sample. A sample with
+    images (``images``: its image sources, per sample) is never cut: longer than ``max_length``, it is left out.
     """
     if not encoded or not any(mask.any() for _, _, mask in encoded):
         stats.skip(row_no, NO_ASSISTANT, "the row has no assistant token to train on")
         return False
-    kept = [(turn, ids, mask) for turn, ids, mask in encoded if mask[:max_length].any()]
+    sources = images or [()] * len(encoded)
+    whole = [(s, src) for s, src in zip(encoded, sources) if not src or len(s[1]) <= max_length]
+    if not whole:
+        longest = max(len(ids) for _, ids, _ in encoded)
+        stats.skip(
+            row_no,
+            IMAGE_ROW_TOO_LONG,
+            f"its {longest} tokens with their images exceed --max-length {max_length}, and an image row is never cut",
+        )
+        return False
+    kept = [((turn, ids, mask), src) for (turn, ids, mask), src in whole if mask[:max_length].any()]
     if not kept:
         stats.skip(row_no, BEYOND_MAX_LENGTH, f"its first assistant token lies beyond --max-length {max_length}")
         return False
-    for turn, ids, mask in kept:
+    for (turn, ids, mask), src in kept:
         if len(ids) > max_length:
             stats.rows_truncated += 1
-        builder.add(ids[:max_length], mask[:max_length], row_no, turn)
+        builder.add(ids[:max_length], mask[:max_length], row_no, turn, src)
     return True

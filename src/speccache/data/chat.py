@@ -17,7 +17,9 @@ directory ``speccache regenerate`` wrote (its parts' rows in order, once the run
   every other field kept for the template;
 * either chat form with a top-level ``"tools"`` list of tool schemas (or its JSON text);
 * pre-tokenized: ``{"input_ids": [int, ...], "loss_mask": [0|1, ...]}`` of equal, non-zero length; a row
-  with ``input_ids`` is read as pre-tokenized whatever chat text it also holds (regenerate's rows hold both).
+  with ``input_ids`` is read as pre-tokenized whatever chat text it also holds (regenerate's rows hold both);
+* for a vision-language target (``processor``): chat rows with images, as :mod:`speccache.data._images` reads
+  them, rendered by the processor (:mod:`speccache.data._vision`); a row with images is an error otherwise.
 
 Other keys (``"id"``...) are ignored. Rows are named in messages as ``file:line`` (1-based line) for JSON
 lines and ``file[index]`` (0-based) otherwise. A sample's ``source_row`` is its 0-based row number: the
@@ -31,8 +33,11 @@ one sample per assistant turn, and each records its turn beside its ``source_row
 Skip reasons (``DataStats.skipped``): ``malformed`` (not a valid row), ``template_error`` (the chat template
 rejected it), ``mask_unplaceable`` (its assistant turns cannot be located), ``no_assistant_token`` (nothing
 to train on), ``no_assistant_within_max_length`` (its assistant tokens all lie beyond ``max_length``),
-``dropped_fields`` (its rendering lacks a field it carries, with ``on_dropped="skip"``). The first three are
-errors unless ``skip_bad_rows``; the next two are always skipped and counted.
+``dropped_fields`` (its rendering lacks a field it carries, with ``on_dropped="skip"``), ``bad_image`` (an image
+is missing or unreadable), ``image_row_beyond_max_length`` (an image row is longer than ``max_length``: never cut
+inside an image, it is left out whole). ``malformed``, ``template_error``, ``mask_unplaceable`` and ``bad_image``
+are errors unless ``skip_bad_rows``; ``no_assistant_token``, ``no_assistant_within_max_length`` and
+``image_row_beyond_max_length`` are always skipped and counted.
 
 Dropped fields: a chat row's rendering is checked for every field the row carries (:func:`dropped_fields`);
 ``on_dropped`` keeps such a row and counts it (``DataStats.dropped``, ``warn``), skips it, or fails.
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +67,7 @@ from speccache.data._samples import (
     dropped_error,
     keep,
 )
+from speccache.data._vision import Vision
 from speccache.data.template import ChatFormat, chat_format
 
 __all__ = ["load_samples", "merge_parts", "tokenize_row"]
@@ -101,7 +108,7 @@ def tokenize_row(
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
-    encoded, _ = encode(row, tokenizer, fmt or _default_format(tokenizer), where)
+    encoded, _, _ = encode(row, tokenizer, fmt or _default_format(tokenizer), where)
     kept = [(turn, ids, mask) for turn, ids, mask in encoded or () if mask[:max_length].any()]
     if not kept:
         return None
@@ -121,6 +128,8 @@ def load_samples(
     part: tuple[int, int] = (0, 1),
     split: str | None = None,
     on_dropped: str = "warn",
+    processor: Any = None,
+    image_root: str | None = None,
 ) -> tuple[TokenizedSamples, DataStats]:
     """Read and tokenize a data file, in file order.
 
@@ -136,6 +145,10 @@ def load_samples(
         split: The split of a saved ``DatasetDict`` or hub dataset.
         on_dropped: A row whose rendering lacks a field it carries (:func:`dropped_fields`) is kept and counted
             in ``DataStats.dropped`` (``warn``), skipped as ``dropped_fields`` (``skip``), or an error (``fail``).
+        processor: A vision-language target's processor (:mod:`speccache.data._processor`): chat rows, with
+            images or without, are rendered by it (ids with each image's tokens; docs/vision.md). None: a
+            text-only target, and a row with images is a row error.
+        image_root: The folder relative image paths resolve against (default: the data file's folder).
 
     Returns:
         The usable samples (possibly none) and what was read, skipped and dropped.
@@ -161,8 +174,10 @@ def load_samples(
         return builder.build(), stats
     fmt = fmt or _default_format(tokenizer)
     rows = (r for i, r in enumerate(raw_rows(path, split)) if i % world == rank)
-    with Encoder(tokenizer, fmt, num_proc) as encoder:
-        for row_no, where, encoded, error, dropped in encoder.encode(rows):
+    root = image_root or os.path.dirname(os.path.abspath(path))
+    vision = None if processor is None else Vision(processor, root)
+    with Encoder(tokenizer, fmt, num_proc, vision) as encoder:
+        for row_no, where, encoded, error, dropped, images in encoder.encode(rows):
             stats.rows_read += 1
             if error is None and dropped and on_dropped != "warn":
                 error = dropped_error(where, dropped, on_dropped)
@@ -174,7 +189,7 @@ def load_samples(
                     raise error
                 stats.skip(row_no, error.reason, str(error))
                 continue
-            if keep(builder, stats, row_no, encoded, max_length):
+            if keep(builder, stats, row_no, encoded, max_length, images):
                 stats.drop([DroppedField(row_no, where, message, name) for message, name in dropped])
                 if limit is not None and len(builder) >= limit:
                     break
@@ -193,7 +208,7 @@ def merge_parts(parts: Sequence[tuple[TokenizedSamples, DataStats]]) -> tuple[To
     ]
     for row, k, i in heapq.merge(*rows):
         ids, mask = parts[k][0].arrays(i)
-        builder.add(ids, mask, row, int(parts[k][0].turns[i]))
+        builder.add(ids, mask, row, int(parts[k][0].turns[i]), parts[k][0].images.get(i, ()))
     for _, part_stats in parts:
         stats.rows_read += part_stats.rows_read
         stats.rows_truncated += part_stats.rows_truncated

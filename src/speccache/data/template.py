@@ -59,6 +59,7 @@ __all__ = [
     "ChatFormat",
     "chat_format",
     "conversation_samples",
+    "masked_text",
     "mask_conversation",
     "samples_and_text",
     "split_generated_reasoning",
@@ -292,6 +293,8 @@ def _sentinel_messages(messages: list[dict]) -> tuple[list[dict], dict[str, tupl
         if isinstance(content, str) and (content or not message.get("tool_calls")):
             answer = mark(turn, "A")
             shadow["content"] = answer if inline is None else f"<think>{mark(turn, 'R')}</think>{answer}"
+        elif isinstance(content, list) and content:  # text parts (a vision target's rows): one sentinel part
+            shadow["content"] = [{"type": "text", "text": mark(turn, "A")}]
         if message.get("tool_calls"):
             calls = []
             for n, call in enumerate(message["tool_calls"]):
@@ -513,11 +516,11 @@ def mask_conversation(
     Raises:
         RowFailure: the template rejects the conversation, or its assistant turns cannot be located.
     """
-    ids, mask, _ = _masked_text(tokenizer, fmt, messages, where, tools, turns)
+    ids, mask, _ = masked_text(tokenizer, fmt, messages, where, tools, turns)
     return ids, mask
 
 
-def _masked_text(
+def masked_text(
     tokenizer: Any,
     fmt: ChatFormat | MistralCommonFormat,
     messages: list[dict],
@@ -578,11 +581,11 @@ def samples_and_text(
         RowFailure: as :func:`mask_conversation`.
     """
     if not fmt.expand_turns:
-        ids, mask, text = _masked_text(tokenizer, fmt, messages, where, tools)
+        ids, mask, text = masked_text(tokenizer, fmt, messages, where, tools)
         return [(-1, ids, mask)], text
     ends = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     done = [
-        _masked_text(tokenizer, fmt, messages[: end + 1], f"{where} (turn {k})", tools, "last")
+        masked_text(tokenizer, fmt, messages[: end + 1], f"{where} (turn {k})", tools, "last")
         for k, end in enumerate(ends)
     ]
     return [(k, ids, mask) for k, (ids, mask, _) in enumerate(done)], "\n".join(text for _, _, text in done)

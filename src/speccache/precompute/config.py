@@ -66,6 +66,9 @@ class PrecomputeConfig:
     expand_turns: bool = False
     num_proc: int | None = None
     data_split: str | None = None
+    image_root: str | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
     resume: bool = False
     append: bool = False
     device: str | None = None
@@ -164,6 +167,8 @@ class PrecomputeConfig:
             raise FileNotFoundError(f"--chat-template {self.chat_template}: no such file")
         if self.tools is not None and not os.path.isfile(self.tools):
             raise FileNotFoundError(f"--tools {self.tools}: no such file")
+        if self.image_root is not None and not os.path.isdir(self.image_root):
+            raise FileNotFoundError(f"--image-root {self.image_root}: no such directory")
         if self.turns not in TURN_MODES:
             raise UsageError(f"--turns {self.turns!r} is unknown; choose one of {', '.join(TURN_MODES)}")
         if self.num_proc is not None and self.num_proc < 1:

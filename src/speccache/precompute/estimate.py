@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from speccache.data import DataStats, dropped_summary
+from speccache.data import DataStats, dropped_summary, image_token_id
 from speccache.format import (
     DROPPED_FIELDS_FILE,
     OFFSETS_KEY,
@@ -223,6 +223,14 @@ def _data_counts(stats: DataStats) -> dict[str, Any]:
     }
 
 
+def _image_counts(plan: Any) -> dict[str, int]:
+    """A vision-language target's image rows, the images in its samples, and the image tokens they expand to."""
+    samples, token = plan.samples, image_token_id(plan.processor)
+    tokens = sum(int((samples.arrays(i)[0] == token).sum()) for i in samples.images)
+    rows = {int(samples.source_rows[i]) for i in samples.images}
+    return {"image_rows": len(rows), "images": sum(map(len, samples.images.values())), "image_tokens": tokens}
+
+
 def _exact(spec: KeySpec) -> bool:
     """Whether a key's size follows from the row counts alone (no part sized by its data, as zbf16's is)."""
     return all(p.length != "bytes" for p in get_encoding(spec.encoding).parts(spec.dtype, spec.shape).values())
@@ -243,9 +251,11 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
         as ``inspect`` counts), ``data_stats`` (the counts precompute records of the data: ``rows_read``,
         ``rows_truncated``, ``skipped`` per reason...), ``skipped_rows`` (each skipped row's ``row``, ``where``
         (file:line), ``reason`` and ``detail``, as ``skipped_rows.jsonl`` lists them), ``longest_sample``,
-        ``padded_probs_bytes`` (padded to ``--max-length``), ``padded_probs_longest_bytes`` (to the longest
-        sample: what the report and the precompute summary compare with; both only for a method that names such a
-        layout, as EAGLE-3 does), and ``zbf16_hi_fraction``.
+        ``images`` (a vision-language target's only: ``image_rows``, ``images`` in the samples, and the
+        ``image_tokens`` they expand to, counted in ``tokens``), ``padded_probs_bytes`` (padded to
+        ``--max-length``), ``padded_probs_longest_bytes`` (to the longest sample: what the report and the
+        precompute summary compare with; both only for a method that names such a layout, as EAGLE-3 does),
+        and ``zbf16_hi_fraction``.
 
     Raises:
         UsageError, DataError, FileNotFoundError: what ``precompute`` would reject before loading the model.
@@ -322,6 +332,7 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
             {"row": r.row, "where": r.where(cfg.data), "reason": r.reason, "detail": r.detail}
             for r in plan.stats.skipped_rows
         ],
+        **({"images": _image_counts(plan)} if plan.processor is not None else {}),
         "longest_sample": max(lengths),
         **padded(cfg.max_length, "padded_probs_bytes"),
         **padded(max(lengths), "padded_probs_longest_bytes"),
@@ -397,6 +408,12 @@ def format_estimate(est: Mapping[str, Any]) -> str:
         ),
         *_data_lines(est),
     ]
+    if "images" in est:
+        images = est["images"]
+        lines.append(
+            f"images     {images['image_rows']} image rows, {images['images']} images, "
+            f"{images['image_tokens']} image tokens (of the {tokens} tokens)"
+        )
     if "padded_probs_longest_bytes" in est:  # a method that names a padded layout
         padded = est["padded_probs_longest_bytes"]
         lines.append(

@@ -32,14 +32,17 @@ from speccache.data import (
     file_content_hash,
     is_hub_id,
     load_chat_tokenizer,
+    load_processor,
     load_samples,
     merge_parts,
+    processor_record,
     tokenizer_hash,
+    vision_processor_class,
 )
 from speccache.devices import DTYPES
 from speccache.engines.base import Engine
 from speccache.engines.registry import engine_class
-from speccache.errors import DataError, SpeccacheError
+from speccache.errors import DataError, SpeccacheError, UsageError
 from speccache.format import (
     DROPPED_FIELDS_FILE,
     SAMPLE_TURN_KEY,
@@ -103,6 +106,7 @@ class Plan:
     manifest_config: dict[str, Any]
     method: Method
     method_plan: MethodPlan
+    processor: Any = None  # a vision-language target's (docs/vision.md); None for a text-only one
 
     @property
     def num_tokens(self) -> int:
@@ -154,7 +158,8 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
     )
     if cfg.expand_turns:
         schema[SAMPLE_TURN_KEY] = sample_turn_spec()
-    samples, stats = _load_data(cfg, tokenizer, fmt, comm or LocalComm())
+    processor = load_processor(cfg.model, cfg.min_pixels, cfg.max_pixels) if os.path.isdir(cfg.model) else None
+    samples, stats = _load_data(cfg, tokenizer, fmt, processor, comm or LocalComm())
     if not samples:
         reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(stats.skipped.items())) or "none skipped"
         raise DataError(
@@ -194,13 +199,33 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
         # chunks change the features' rounding, as batches do: a resume computes the same ones
         **({"prefill_chunk": cfg.prefill_chunk} if cfg.prefill_chunk is not None else {}),
         "engine": cfg.engine,
+        **({"vision": _vision_config(cfg, processor)} if processor is not None else {}),
     }
     return Plan(
-        cfg, model_config, tokenizer, samples, stats, vocab_size, hidden, schema, manifest_config, method, method_plan
+        cfg,
+        model_config,
+        tokenizer,
+        samples,
+        stats,
+        vocab_size,
+        hidden,
+        schema,
+        manifest_config,
+        method,
+        method_plan,
+        processor,
     )
 
 
-def _load_data(cfg: PrecomputeConfig, tokenizer: Any, fmt: Any, comm: Comm) -> tuple[TokenizedSamples, DataStats]:
+def _vision_config(cfg: PrecomputeConfig, processor: Any) -> dict[str, Any]:
+    """What makes a vision-language target's pixels and finds its images (the manifest's ``config.vision``)."""
+    root = cfg.image_root or os.path.dirname(os.path.abspath(cfg.data))
+    return {**processor_record(processor).as_dict(), "image_root": os.path.abspath(root)}
+
+
+def _load_data(
+    cfg: PrecomputeConfig, tokenizer: Any, fmt: Any, processor: Any, comm: Comm
+) -> tuple[TokenizedSamples, DataStats]:
     """Tokenize the data; under torchrun (without --limit) each rank reads every world_size-th row, then all join."""
     kwargs = dict(
         skip_bad_rows=cfg.skip_bad_rows,
@@ -208,6 +233,8 @@ def _load_data(cfg: PrecomputeConfig, tokenizer: Any, fmt: Any, comm: Comm) -> t
         num_proc=cfg.num_proc or default_num_proc(),
         split=cfg.data_split,
         on_dropped=cfg.on_dropped,
+        processor=processor,
+        image_root=cfg.image_root,
     )
     if comm.world_size == 1 or cfg.limit is not None:
         return load_samples(cfg.data, tokenizer, cfg.max_length, limit=cfg.limit, **kwargs)
@@ -268,6 +295,12 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
         DataError, ValueError: bad data (nothing written).
     """
     cfg.check()
+    vision = vision_processor_class(cfg.model) if os.path.isdir(cfg.model) else None
+    if vision is not None:
+        raise UsageError(
+            f"--model {cfg.model}: a vision-language target ({vision}); its image rows are read and estimated "
+            "(speccache estimate) but not yet computed: precompute runs text-only targets for now"
+        )
     comm = comm or LocalComm()
     engine = engine_class(cfg.engine)(cfg, comm)
     plan = make_plan(cfg, comm)
