@@ -7,7 +7,6 @@ in :mod:`.registry` and calls it: a new method is one module of this room and on
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -148,7 +147,9 @@ class MethodSettings(Protocol):
 class Method(Protocol):
     """A speculative method's part in ``precompute``. ``cfg`` holds the run's :class:`MethodSettings`.
 
-    A method may define ``padded_token_bytes(plan, hidden_size, itemsize) -> int``: the bytes per token of the
+    A method with settings of its own defines ``add_arguments(parser)``, adding their flags to ``precompute``'s and
+    ``estimate``'s parser (their defaults are ``PrecomputeConfig``'s). A method may define
+    ``padded_token_bytes(plan, hidden_size, itemsize) -> int``: the bytes per token of the
     padded layout other tools write for it, which a run's summary and stats compare the cache with (EAGLE-3's
     full-probability layout); without it they make no comparison.
 
@@ -161,10 +162,6 @@ class Method(Protocol):
     cache_name: str
     side_file: str
     presets: Mapping[str, str]
-
-    def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        """Add the flags of this method's own settings to ``precompute``'s and ``estimate``'s parser (each
-        :class:`MethodSettings` field it alone reads; their defaults are ``PrecomputeConfig``'s)."""
 
     def check_flags(self, cfg: MethodSettings) -> None:
         """Refuse, before anything is read, the flags this method does not take (``UsageError``: the CLI exits 2)."""

@@ -66,7 +66,9 @@ def add_precompute_arguments(p: argparse.ArgumentParser) -> None:
         "in it",
     )
     for method in dict.fromkeys(METHODS.values()):  # a method with several presets adds its flags once
-        method.add_arguments(p)
+        add_arguments = getattr(method, "add_arguments", None)
+        if add_arguments is not None:
+            add_arguments(p)
     p.add_argument("--encode", help="per-feature encodings, e.g. aux_hidden_states=fp8,last_hidden_state=zbf16")
     p.add_argument("--limit", type=int, help="use only the first N usable rows")
     p.add_argument(
