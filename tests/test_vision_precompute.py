@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -239,3 +240,50 @@ def test_sharded_targets_are_refused(mode, caches):
     cfg = SimpleNamespace(model=model, shard_target=mode, tp_size=None, prefill_chunk=None)
     with pytest.raises(UsageError, match=f"--shard-target {mode} does not run it; use replicate"):
         HfEngine.check_model(cfg, AutoConfig.from_pretrained(model), 2)
+
+
+@pytest.mark.parametrize("change", ["image file", "row's own image"])
+def test_images_that_change_while_the_run_reads_them_stop_it(change, caches, data, tmp_path, monkeypatch, capsys):
+    """The pixels are rebuilt from the sources at the forward: a file redrawn at another size (another token
+    count) or a row that no longer holds its image stops the run with a DataError naming the row."""
+    import speccache.precompute.run as run
+
+    model, _ = caches["qwen2_5_vl"]
+    root = tmp_path / "data"
+    shutil.copytree(data, root)
+    real_plan = run.make_plan
+
+    def plan_then_change(*args, **kwargs):
+        plan = real_plan(*args, **kwargs)
+        if change == "image file":
+            draw_image(str(root / "a.png"), 112, 168, seed=0)  # four times the pixels: four times the tokens
+        else:
+            rows = (root / "data.jsonl").read_text().splitlines()
+            other = base64.b64encode(Path(draw_image(str(root / "c.png"), 64, 40, seed=2)).read_bytes()).decode()
+            rows[2] = rows[2].replace(base64.b64encode((root / "b.png").read_bytes()).decode(), other)
+            (root / "data.jsonl").write_text("\n".join(rows) + "\n")
+        return plan
+
+    monkeypatch.setattr(run, "make_plan", plan_then_change)
+    out = tmp_path / "cache"
+    argv = ["precompute", "--model", model, "--data", str(root / "data.jsonl"), "--out", str(out), *FLAGS, *RUN]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    if change == "image file":
+        assert "row 0: its 1 image(s) now make 24 image tokens but the sample holds 6" in err
+    else:
+        assert "data.jsonl:3: its image xxh3:" in err and "is no longer in the row" in err
+
+
+def test_a_png_with_a_damaged_chunk_is_a_bad_image_row(caches, data, tmp_path, capsys):
+    model, _ = caches["llava"]
+    encoded = base64.b64encode((data / "b.png").read_bytes()).decode()
+    damaged = encoded[:-40] + "A" * 40  # PIL raises SyntaxError ("broken PNG file") for it
+    rows = (data / "data.jsonl").read_text().splitlines()
+    path = tmp_path / "damaged.jsonl"
+    path.write_text("\n".join([*rows[:2], rows[2].replace(encoded, damaged)]) + "\n")
+    argv = ["estimate", "--model", model, "--data", str(path), *FLAGS, "--image-root", str(data)]
+    assert main([*argv, "--skip-bad-rows", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["data_stats"]["skipped"] == {"bad_image": 1}
+    assert main(argv) == 1
+    assert f"{path}:3: image data URI: not a readable image (broken PNG file" in capsys.readouterr().err

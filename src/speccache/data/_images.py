@@ -128,7 +128,8 @@ class _Loader:
         try:
             image = Image.open(io.BytesIO(data))
             image.load()
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+            # PIL raises SyntaxError for a PNG with a damaged chunk
             raise self.fail(what, f"not a readable image ({e}); replace or remove it") from e
         return RowImage(f"xxh3:{xxhash.xxh3_128_hexdigest(data)}", image)
 
