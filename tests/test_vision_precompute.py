@@ -287,3 +287,22 @@ def test_a_png_with_a_damaged_chunk_is_a_bad_image_row(caches, data, tmp_path, c
     assert json.loads(capsys.readouterr().out)["data_stats"]["skipped"] == {"bad_image": 1}
     assert main(argv) == 1
     assert f"{path}:3: image data URI: not a readable image (broken PNG file" in capsys.readouterr().err
+
+
+def test_each_sample_pixels_are_built_once_per_run(caches, data, tmp_path, monkeypatch):
+    """--batching sorted (the default) orders a shard's samples by their lengths without building their pixels."""
+    from speccache.precompute._tokens import ImageInputs
+
+    model, _ = caches["llava"]
+    built: list[int] = []
+    real_call = ImageInputs.__call__
+
+    def counting(self, ids, sources, source_row):
+        built.append(source_row)
+        return real_call(self, ids, sources, source_row)
+
+    monkeypatch.setattr(ImageInputs, "__call__", counting)
+    out = tmp_path / "cache"
+    argv = ["precompute", "--model", model, "--data", str(data / "data.jsonl"), "--out", str(out), *FLAGS, *RUN]
+    assert main(argv) == 0
+    assert sorted(built) == [0, 1, 2, 3]

@@ -18,7 +18,7 @@ from speccache.format import SAMPLE_TURN_KEY
 from speccache.methods.decoder import IMAGE_INPUTS
 from speccache.precompute.append import AppendedDataset, AppendPlan
 
-__all__ = ["ImageInputs", "TokenizedDataset", "batch_pad_id", "pad_tokens", "token_loader"]
+__all__ = ["ImageInputs", "TokenizedDataset", "batch_pad_id", "pad_tokens", "sample_length", "token_loader"]
 
 _MODALITY_KEYS = ("mm_token_type_ids", "token_type_ids")  # per token (padded); the other IMAGE_INPUTS per image
 
@@ -90,6 +90,14 @@ class TokenizedDataset(Dataset):
             "source_row": torch.tensor(source_row, dtype=torch.int64),
             SAMPLE_TURN_KEY: torch.tensor(int(self.samples.turns[index]), dtype=torch.int64),
         }
+
+
+def sample_length(dataset: Dataset, index: int) -> int:
+    """The tokens of sample ``index`` of a token loader's dataset, without building its image inputs."""
+    if isinstance(dataset, TokenizedDataset):
+        offsets = dataset.samples.offsets
+        return int(offsets[index + 1] - offsets[index])
+    return int(dataset[index]["input_ids"].numel())
 
 
 def batch_pad_id(tokenizer: Any) -> int:

@@ -65,7 +65,7 @@ from speccache.methods.base import (
 )
 from speccache.methods.finite import SKIP_REASON, ClearedCounter
 from speccache.methods.registry import METHODS, method_for
-from speccache.precompute._tokens import ImageInputs, batch_pad_id, token_loader
+from speccache.precompute._tokens import ImageInputs, batch_pad_id, sample_length, token_loader
 from speccache.precompute.append import DATA_FIELDS, AppendPlan, merge_stats, plan_append
 from speccache.precompute.config import PrecomputeConfig
 from speccache.precompute.report import _Progress, computed_tokens, padded_layout_stats, print_summary, resume_line
@@ -422,7 +422,7 @@ def _row_maker(target: MethodTarget, schema: Schema) -> Callable[[Mapping[str, t
 
 def _sorted_shard_plan(loader: DataLoader, cfg: PrecomputeConfig, start: int, end: int) -> list[list[int]]:
     """The batches of the samples ``[start, end)`` (a shard), longest first."""
-    lengths = [int(loader.dataset[i]["input_ids"].numel()) for i in range(start, end)]
+    lengths = [sample_length(loader.dataset, i) for i in range(start, end)]
     return [[start + i for i in b] for b in shard_batches(lengths, cfg.batch_size, cfg.max_batch_tokens)]
 
 
