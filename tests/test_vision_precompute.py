@@ -306,3 +306,12 @@ def test_each_sample_pixels_are_built_once_per_run(caches, data, tmp_path, monke
     argv = ["precompute", "--model", model, "--data", str(data / "data.jsonl"), "--out", str(out), *FLAGS, *RUN]
     assert main(argv) == 0
     assert sorted(built) == [0, 1, 2, 3]
+
+
+def test_the_audit_refuses_a_vision_language_cache_and_verify_passes_it(caches, capsys):
+    _, cache = caches["gemma3"]
+    assert main(["audit", cache]) == 2
+    assert (
+        "the audit does not rebuild the images' pixels yet: check it with speccache verify" in capsys.readouterr().err
+    )
+    assert main(["verify", cache]) == 0
