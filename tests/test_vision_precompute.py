@@ -270,7 +270,7 @@ def test_images_that_change_while_the_run_reads_them_stop_it(change, caches, dat
     assert main(argv) == 1
     err = capsys.readouterr().err
     if change == "image file":
-        assert "row 0: its 1 image(s) now make 24 image tokens but the sample holds 6" in err
+        assert "data.jsonl:1: its 1 image(s) now make 24 image tokens but the sample holds 6" in err
     else:
         assert "data.jsonl:3: its image xxh3:" in err and "is no longer in the row" in err
 

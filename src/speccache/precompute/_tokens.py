@@ -60,7 +60,7 @@ class ImageInputs:
         want, have = int((made["input_ids"] == token).sum()), int((ids == token).sum())
         if want != have:
             raise DataError(
-                f"{self.data}: row {source_row}: its {len(images)} image(s) now make {want} image tokens but the "
+                f"{self.data}:{source_row + 1}: its {len(images)} image(s) now make {want} image tokens but the "
                 f"sample holds {have}: the images or the processor changed since the row was read; rerun on "
                 "unchanged images with the same --min-pixels/--max-pixels"
             )
