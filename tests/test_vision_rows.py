@@ -317,7 +317,7 @@ def test_estimate_counts_images_and_precompute_refuses_up_front(targets, images,
     assert "images     3 image rows, 6 images, 24 image tokens" in capsys.readouterr().out
     out = tmp_path / "cache"
     assert main(["precompute", *args, "--out", str(out)]) == 2
-    assert "image rows are read and estimated (speccache estimate) but not yet computed" in capsys.readouterr().err
+    assert "--method layers does not compute it yet; use --method eagle3" in capsys.readouterr().err
     assert not out.exists()
 
 

@@ -39,7 +39,7 @@ def test_tiny_target_loads_like_a_released_checkpoint_and_runs_on_its_processor_
     assert processor_record(processor).backend == "pil"
     model = AutoModelForImageTextToText.from_pretrained(path).eval()
     assert model.config.get_text_config().hidden_size == 64
-    assert model.config.get_text_config().num_hidden_layers == 2
+    assert model.config.get_text_config().num_hidden_layers == 4
     image = draw_image(str(tmp_path / "a.png"))
     messages = [
         {"role": "user", "content": [{"type": "image", "path": image}, {"type": "text", "text": "What is red?"}]},

@@ -11,6 +11,7 @@ rendering drops), ``_failure`` (``RowFailure``).
 
 from speccache.data._failure import RowFailure
 from speccache.data._files import data_root, file_content_hash, is_hub_id, iter_rows
+from speccache.data._images import sample_images
 from speccache.data._messages import chat_messages
 from speccache.data._processor import ProcessorRecord, load_processor, processor_record, vision_processor_class
 from speccache.data._samples import (
@@ -64,6 +65,7 @@ __all__ = [
     "load_tools_file",
     "merge_parts",
     "processor_record",
+    "sample_images",
     "TURN_MODES",
     "today",
     "tokenize_row",

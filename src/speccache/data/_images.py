@@ -29,9 +29,10 @@ from typing import Any
 import xxhash
 
 from speccache.data._failure import RowFailure, row_error
+from speccache.data._files import iter_rows
 from speccache.data._messages import chat_messages
 
-__all__ = ["BAD_IMAGE", "IMAGE_MARKER", "RowImage", "has_images", "image_messages"]
+__all__ = ["BAD_IMAGE", "IMAGE_MARKER", "RowImage", "has_images", "image_messages", "sample_images"]
 
 IMAGE_MARKER = "<image>"
 BAD_IMAGE = "bad_image"  # the skip reason of a row whose image is missing or unreadable
@@ -127,7 +128,8 @@ class _Loader:
         try:
             image = Image.open(io.BytesIO(data))
             image.load()
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+            # PIL raises SyntaxError for a PNG with a damaged chunk
             raise self.fail(what, f"not a readable image ({e}); replace or remove it") from e
         return RowImage(f"xxh3:{xxhash.xxh3_128_hexdigest(data)}", image)
 
@@ -233,3 +235,43 @@ def image_messages(row: dict, where: str, image_root: str) -> tuple[list[dict], 
             f"{used} ({IMAGE_MARKER} markers or image parts without a source); give one marker per image"
         )
     return out, tools, images
+
+
+def sample_images(
+    sources: tuple[str, ...], source_row: int, data: str, split: str | None, image_root: str
+) -> list[Any]:
+    """A sample's images loaded again from their sources (:attr:`RowImage.source`): a path is reopened; an
+    ``xxh3:`` digest is found among the images of the sample's source row, reread from ``data``.
+
+    Args:
+        sources: the sample's image sources, in order.
+        source_row: the 0-based row of ``data`` the sample comes from.
+        data: the data file (or saved dataset) the sample was read from.
+        split: its split, as the run read it.
+        image_root: the folder relative paths resolve against (as the run read the row).
+
+    Returns:
+        The decoded ``PIL.Image.Image`` of each source.
+
+    Raises:
+        DataError: an image is gone or changed since the row was read (a digest no longer in the row).
+    """
+    where = f"{data}:{source_row + 1}"
+    loader = _Loader(where, image_root)
+    in_row: dict[str, Any] | None = None
+    out = []
+    for source in sources:
+        if not source.startswith("xxh3:"):
+            out.append(loader.load(source, source).image)
+            continue
+        if in_row is None:  # the row's own bytes: read it again, once per sample
+            row = next((r for n, r in iter_rows(data, split) if n == source_row), None)
+            in_row = {} if row is None else {i.source: i.image for i in image_messages(row, where, image_root)[2]}
+        if source not in in_row:
+            raise RowFailure(
+                f"{where}: its image {source} is no longer in the row: --data changed while the run read it; "
+                "rerun on unchanged data",
+                BAD_IMAGE,
+            )
+        out.append(in_row[source])
+    return out

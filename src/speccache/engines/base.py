@@ -103,6 +103,7 @@ class Engine(Protocol):
         attention_mask: torch.Tensor,
         outputs: Mapping[Hashable, int],
         input_of_first: Hashable | None = None,
+        image_inputs: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, dict[Hashable, torch.Tensor]]:
         """The :data:`speccache.methods.decoder.Capture` of the opened target (for the layers ``open`` was given)."""
 

@@ -45,7 +45,7 @@ from speccache.engines._hf_load import (
 from speccache.engines.base import EngineSettings, check_gpu_memory_utilization
 from speccache.errors import UsageError
 from speccache.methods.base import CaptureRequest, LoadedTarget
-from speccache.methods.decoder import decoder_calls, decoder_layers, forward_capturing
+from speccache.methods.decoder import decoder_calls, decoder_layers, forward_capturing, is_vision_language
 from speccache.write import Comm
 from speccache.write.dist import (
     DataParallelGroups,
@@ -135,7 +135,14 @@ class HfEngine:
 
     @classmethod
     def check_model(cls, cfg: EngineSettings, model_config: Any, world_size: int) -> None:
-        """Under ``--shard-target tp``: whether transformers can split the architecture over ``--tp-size`` ranks."""
+        """Under ``--shard-target tp``: whether transformers can split the architecture over ``--tp-size`` ranks;
+        a vision-language target runs whole (``replicate``) and unchunked."""
+        if is_vision_language(model_config):
+            kind = f"--model {cfg.model} is a vision-language target ({type(model_config).__name__})"
+            if cfg.shard_target != "replicate":
+                raise UsageError(f"{kind}: --shard-target {cfg.shard_target} does not run it; use replicate")
+            if cfg.prefill_chunk is not None:
+                raise UsageError(f"{kind}: its rows run whole, never chunked; leave out --prefill-chunk")
         if cfg.shard_target == "tp":
             check_tp_plan(model_config, cfg.tp_size or world_size)
 
@@ -165,6 +172,7 @@ class HfEngine:
         attention_mask: torch.Tensor,
         outputs: Mapping[Hashable, int],
         input_of_first: Hashable | None = None,
+        image_inputs: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, dict[Hashable, torch.Tensor]]:
         """:func:`speccache.methods.decoder.forward_capturing` over the opened model, in ``--prefill-chunk`` chunks.
 
@@ -177,7 +185,9 @@ class HfEngine:
         chunk = self.cfg.prefill_chunk
         calls = decoder_calls(input_ids.shape[1], chunk)
         joined = self.comm.max_int(calls) if chunk is not None and self.cfg.shard_target == "fsdp" else calls
-        result = forward_capturing(self.model, input_ids, attention_mask, outputs, input_of_first, chunk=chunk)
+        result = forward_capturing(
+            self.model, input_ids, attention_mask, outputs, input_of_first, image_inputs, chunk=chunk
+        )
         if joined > calls:
             decoder = self.model.get_decoder()
             with torch.no_grad():
@@ -239,9 +249,11 @@ def load_target(
         return load_fsdp(model_path, dtype, device)
     if mode == "tp":
         return load_tp(model_path, dtype, device, groups)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    # a vision-language target loads whole, vision tower included (its ForConditionalGeneration)
+    vision = is_vision_language(AutoConfig.from_pretrained(model_path))
+    model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(model_path, dtype=dtype)
     # PreTrainedModel.to is declared through functools.wraps(nn.Module.to), whose stub loses the bound self
     cast(nn.Module, model).to(device).eval().requires_grad_(False)
     return LoadedTarget(

@@ -43,7 +43,7 @@ from speccache.engines.base import (
 from speccache.engines.hf import check_shard_target, load_outer_modules
 from speccache.errors import UsageError
 from speccache.methods.base import CaptureRequest, LoadedTarget
-from speccache.methods.decoder import Capture, decoder_layers, final_norm
+from speccache.methods.decoder import Capture, decoder_layers, final_norm, is_vision_language
 from speccache.write import Comm, DataParallelGroups
 from speccache.write.dist import agree
 
@@ -386,7 +386,9 @@ class VllmEngine:
             attention_mask: torch.Tensor,
             outputs: Mapping[Hashable, int],
             input_of_first: Hashable | None = None,
+            image_inputs: Mapping[str, torch.Tensor] | None = None,
         ) -> tuple[torch.Tensor, dict[Hashable, torch.Tensor]]:
+            assert image_inputs is None, "--engine vllm refuses a vision-language target (check_model)"
             lengths = attention_mask.bool().sum(1).tolist()
             states = self.hidden_states([ids[:n].tolist() for ids, n in zip(input_ids, lengths)])
             width = states[0].shape[-1]
@@ -470,7 +472,13 @@ class VllmPrecomputeEngine:
 
     @classmethod
     def check_model(cls, cfg: EngineSettings, model_config: Any, world_size: int) -> None:
-        """:func:`check_vllm_target`."""
+        """:func:`check_vllm_target`; a vision-language target is refused (vLLM's vision-language modules need
+        torchvision, which vLLM's CPU environment lacks)."""
+        if is_vision_language(model_config):
+            raise UsageError(
+                f"--model {cfg.model} is a vision-language target ({type(model_config).__name__}): --engine vllm "
+                "does not run it here (vLLM's vision-language modules need torchvision); use --engine hf"
+            )
         check_vllm_target(model_config)
 
     def __init__(self, cfg: EngineSettings, comm: Comm) -> None:
@@ -522,10 +530,11 @@ class VllmPrecomputeEngine:
         attention_mask: torch.Tensor,
         outputs: Mapping[Hashable, int],
         input_of_first: Hashable | None = None,
+        image_inputs: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, dict[Hashable, torch.Tensor]]:
         """:meth:`VllmEngine.capture` with the model's own final norm."""
         assert self._capture is not None, "VllmPrecomputeEngine.capture before open"
-        return self._capture(input_ids, attention_mask, outputs, input_of_first)
+        return self._capture(input_ids, attention_mask, outputs, input_of_first, image_inputs)
 
     def close(self) -> None:
         """Shut vLLM down, if it started."""

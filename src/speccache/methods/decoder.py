@@ -15,7 +15,18 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Capture", "cache_argument", "decoder_calls", "decoder_layers", "final_norm", "forward_capturing"]
+__all__ = [
+    "IMAGE_INPUTS",
+    "POSITIONS",
+    "Capture",
+    "cache_argument",
+    "decoder_calls",
+    "decoder_layers",
+    "final_norm",
+    "forward_capturing",
+    "is_mrope",
+    "is_vision_language",
+]
 
 
 def cache_argument(module: nn.Module, cache: Any) -> dict[str, Any]:
@@ -34,11 +45,32 @@ _LAST = object()
 """The key of the final norm's output among a chunked forward's captured tensors."""
 
 Capture = Callable[
-    [torch.Tensor, torch.Tensor, Mapping[Hashable, int], "Hashable | None"],
+    [torch.Tensor, torch.Tensor, Mapping[Hashable, int], "Hashable | None", "Mapping[str, torch.Tensor] | None"],
     tuple[torch.Tensor, dict[Hashable, torch.Tensor]],
 ]
-"""``(input_ids, attention_mask, outputs, input_of_first) -> (last_hidden_state, captured)``, as
-:func:`forward_capturing` with its model bound: padded ``[B, T, H]`` tensors; padding rows are never read."""
+"""``(input_ids, attention_mask, outputs, input_of_first, image_inputs) -> (last_hidden_state, captured)``, as
+:func:`forward_capturing` with its model bound: padded ``[B, T, H]`` tensors; padding rows are never read.
+``image_inputs`` is ``None`` for a text-only target, else the batch's :data:`IMAGE_INPUTS` (empty for text rows)."""
+
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids", "token_type_ids")
+"""The processor outputs a vision-language target's forward takes besides the ids: the images' pixels and
+grids (concatenated over a batch's images), and the per-token modality ids (right-padded with 0, text)."""
+
+POSITIONS = "positions"
+"""The capture key of an M-RoPE target's positions, ``[B, T, 3]`` (temporal, height, width), as the forward used
+them."""
+
+
+def is_vision_language(model_config: Any) -> bool:
+    """Whether ``model_config`` is a vision-language target's (it has a vision tower)."""
+    return getattr(model_config, "vision_config", None) is not None
+
+
+def is_mrope(model_config: Any) -> bool:
+    """Whether the target's text model rotates by 3-D positions (M-RoPE: Qwen2.5-VL, Qwen3-VL)."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    return isinstance(rope, Mapping) and "mrope_section" in rope
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -82,9 +114,13 @@ def forward_capturing(
     attention_mask: torch.Tensor,
     outputs: Mapping[Hashable, int],
     input_of_first: Hashable | None = None,
+    image_inputs: Mapping[str, torch.Tensor] | None = None,
     chunk: int | None = None,
 ) -> tuple[torch.Tensor, dict[Hashable, torch.Tensor]]:
     """Run the target's decoder once, capturing decoder layers' outputs (and the first layer's input).
+
+    A vision-language target (``image_inputs`` given) runs whole, its images merged into the input embeddings,
+    as :func:`_vision_forward` describes; it is never chunked.
 
     With ``chunk``, a sequence longer than ``chunk`` tokens is computed ``chunk`` tokens at a time, each chunk
     attending to the ones before through a KV cache (chunked prefill): the activations of one forward are those
@@ -98,11 +134,15 @@ def forward_capturing(
             do unchunked, and each chunk's mask is the columns so far).
         outputs: capture key -> decoder layer index whose output (before the final norm) it receives.
         input_of_first: capture key for the first decoder layer's input (the embedding output), if wanted.
+        image_inputs: a vision-language target's :data:`IMAGE_INPUTS` of the batch (``None``: a text-only target).
         chunk: the most tokens per forward (``None``: the whole sequence at once).
 
     Returns:
-        ``(last_hidden_state, captured)``: the decoder's output after its final norm, and the captured tensors.
+        ``(last_hidden_state, captured)``: the decoder's output after its final norm, and the captured tensors
+        (with an M-RoPE target's :data:`POSITIONS`).
     """
+    if image_inputs is not None:
+        return _vision_forward(model, input_ids, attention_mask, outputs, input_of_first, image_inputs)
     layers = decoder_layers(model)
     captured: dict[Hashable, torch.Tensor] = {}
 
@@ -147,6 +187,57 @@ def forward_capturing(
             captured.clear()
         last = whole.pop(_LAST)
         return last, whole
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _vision_forward(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    outputs: Mapping[Hashable, int],
+    input_of_first: Hashable | None,
+    image_inputs: Mapping[str, torch.Tensor],
+) -> tuple[torch.Tensor, dict[Hashable, torch.Tensor]]:
+    """The forward of a vision-language target (its ``ForConditionalGeneration``'s ``model``) with the pixels.
+
+    Layer ``i``'s output is captured as the next module reads it (layer ``i + 1``'s input, or the final norm's):
+    Qwen3-VL adds its deepstack image features to the residual stream after a layer's forward, and vLLM's EAGLE-3
+    capture, like the next layer, sees the sum. An M-RoPE target's positions come from the model's own
+    ``get_rope_index`` and are passed explicitly (never its cached ``rope_deltas``).
+    """
+    layers, norm = decoder_layers(model), final_norm(model)
+    captured: dict[Hashable, torch.Tensor] = {}
+
+    def before(key: Hashable) -> Any:
+        def capture(_module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+            captured[key] = args[0] if args else kwargs["hidden_states"]
+
+        return capture
+
+    consumers = [*layers, norm]
+    handles = [
+        consumers[index + 1].register_forward_pre_hook(before(key), with_kwargs=True) for key, index in outputs.items()
+    ]
+    if input_of_first is not None:
+        handles.append(layers[0].register_forward_pre_hook(before(input_of_first), with_kwargs=True))
+    dtype = next(model.parameters()).dtype
+    inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in image_inputs.items()}
+    base: Any = model.model  # the ForConditionalGeneration's vision-language model
+    try:
+        if is_mrope(model.config):
+            modality = inputs.pop("mm_token_type_ids", None)
+            positions, _ = base.get_rope_index(
+                input_ids,
+                mm_token_type_ids=torch.zeros_like(input_ids) if modality is None else modality,
+                image_grid_thw=inputs.get("image_grid_thw"),
+                attention_mask=attention_mask,
+            )
+            inputs["position_ids"] = positions
+            captured[POSITIONS] = positions.permute(1, 2, 0)
+        out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **inputs)
+        return out.last_hidden_state, captured
     finally:
         for h in handles:
             h.remove()

@@ -38,7 +38,15 @@ from speccache.methods.base import (
     model_config_hash,
     text_config,
 )
-from speccache.methods.decoder import Capture, decoder_layers, forward_capturing
+from speccache.methods.decoder import (
+    IMAGE_INPUTS,
+    POSITIONS,
+    Capture,
+    decoder_layers,
+    forward_capturing,
+    is_mrope,
+    is_vision_language,
+)
 from speccache.methods.eagle3 import (
     CACHE_NAME,
     SIDE_FILE,
@@ -84,6 +92,7 @@ def eagle3_schema(
     draft_vocab_size: int,
     full_vocab: bool,
     encodings: Mapping[str, str] | None = None,
+    positions: bool = False,
 ) -> Schema:
     """The key schema of an EAGLE-3 cache.
 
@@ -94,6 +103,7 @@ def eagle3_schema(
         draft_vocab_size: ``Vd``.
         full_vocab: whether the draft vocabulary is the whole target vocabulary (then no ``in_draft`` key).
         encodings: key -> encoding for float features (default ``raw``).
+        positions: store the target's own 3-D positions of each token (``positions``, an M-RoPE target's).
 
     Raises:
         ValueError: an encoding names a key that is not a float feature of this schema, or cannot store ``dtype``.
@@ -119,6 +129,8 @@ def eagle3_schema(
         specs.append(KeySpec("topk_ids", torch.int32, (supervision.k,), ragged=True))
     if not full_vocab:
         specs.append(KeySpec("in_draft", torch.bool, (), ragged=True))
+    if positions:
+        specs.append(KeySpec(POSITIONS, torch.int32, (3,), ragged=True))
     specs.append(source_row_spec())
     return {s.name: s for s in specs}
 
@@ -226,15 +238,24 @@ class Eagle3Target:
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.full_vocab = selected.numel() == self.vocab_size
         self.lm_head = model.get_output_embeddings()
+        self.reads_images = is_vision_language(model.config)
 
     @torch.no_grad()
-    def forward_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Padded features ``[B, T, ...]`` of one batch, in the model's dtype: aux, last hidden, logits-derived."""
-        last, captured = self.capture(input_ids, attention_mask, {i: i for i in self.aux_layers}, None)
+    def forward_features(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        image_inputs: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Padded features ``[B, T, ...]`` of one batch, in the model's dtype: aux, last hidden, logits-derived
+        (and an M-RoPE target's ``positions``, int32)."""
+        last, captured = self.capture(input_ids, attention_mask, {i: i for i in self.aux_layers}, None, image_inputs)
         feats = {
             "aux_hidden_states": torch.cat([captured[i] for i in self.aux_layers], dim=-1),
             "last_hidden_state": last,
         }
+        if POSITIONS in captured:
+            feats[POSITIONS] = captured[POSITIONS].to(torch.int32)
         if has_logits(self.supervision, self.full_vocab):
             # The head's fp32 logits are [B, T, V]: a long sample's (128K tokens of a 128K vocabulary: 64 GiB) are
             # computed in runs of rows, each row's features alone, so that at most HEAD_VALUES of them are held.
@@ -282,7 +303,8 @@ class Eagle3Target:
         """
         input_ids = batch["input_ids"].to(self.device)
         attention_mask = batch["attention_mask"].to(self.device)
-        feats = self.forward_features(input_ids, attention_mask)
+        images = {k: batch[k].to(self.device) for k in IMAGE_INPUTS if k in batch} if self.reads_images else None
+        feats = self.forward_features(input_ids, attention_mask, images)
         real = attention_mask.bool()
         if self.supervision.mode != "hidden":
             feats.pop("last_hidden_state")
@@ -383,6 +405,7 @@ class Eagle3Method:
 
     cache_name = CACHE_NAME
     side_file = SIDE_FILE
+    reads_images = True
     presets: Mapping[str, str] = {
         "eagle3": "EAGLE-3: three aux layers (--aux-layers) and --supervision over --draft-vocab-size tokens"
     }
@@ -442,7 +465,9 @@ class Eagle3Method:
             }
         tied = ties_embeddings(model_config)
         return MethodPlan(
-            schema=eagle3_schema(hidden, dtype, supervision, draft, draft == vocab, cfg.encodings),
+            schema=eagle3_schema(
+                hidden, dtype, supervision, draft, draft == vocab, cfg.encodings, positions=is_mrope(model_config)
+            ),
             config=config,
             request=CaptureRequest(layers=tuple(aux)),
             draft_vocab_size=draft,

@@ -225,7 +225,7 @@ class LayersTarget:
         """Padded features ``[B, T, H]`` of one batch, in the model's dtype, keyed as stored."""
         embed = next((f.key for f in self.features if f.norm == "embed"), None)
         outputs: dict[Hashable, int] = {f.key: f.layer for f in self.features if f.norm == "pre"}
-        last, captured = self.capture(input_ids, attention_mask, outputs, embed)
+        last, captured = self.capture(input_ids, attention_mask, outputs, embed, None)
         captured[LAST_HIDDEN] = last
         return {f.key: captured[f.key] for f in self.features}
 
@@ -269,6 +269,7 @@ class LayersMethod:
 
     cache_name = CACHE_NAME
     side_file = SIDE_FILE
+    reads_images = False  # its target runs the text path (a vision-language target is refused up front)
     presets: Mapping[str, str] = PRESETS
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:

@@ -307,6 +307,11 @@ def audit_cache(
             f"{cache_dir}: the audit does not know how to recompute a {manifest.cache_name!r} cache; "
             f"it knows {', '.join(sorted(TARGETS))}"
         )
+    if "vision" in config:
+        raise AuditError(
+            f"{cache_dir}: a vision-language target's cache (its manifest records config.vision); the audit does "
+            "not rebuild the images' pixels yet: check it with speccache verify"
+        )
     model_dir = model or config.get("model")
     if not model_dir:
         raise AuditError(f"{cache_dir}: the manifest records no model; pass --model DIR")

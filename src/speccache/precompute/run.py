@@ -64,8 +64,8 @@ from speccache.methods.base import (
     text_config,
 )
 from speccache.methods.finite import SKIP_REASON, ClearedCounter
-from speccache.methods.registry import method_for
-from speccache.precompute._tokens import batch_pad_id, token_loader
+from speccache.methods.registry import METHODS, method_for
+from speccache.precompute._tokens import ImageInputs, batch_pad_id, sample_length, token_loader
 from speccache.precompute.append import DATA_FIELDS, AppendPlan, merge_stats, plan_append
 from speccache.precompute.config import PrecomputeConfig
 from speccache.precompute.report import _Progress, computed_tokens, padded_layout_stats, print_summary, resume_line
@@ -297,10 +297,7 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
     cfg.check()
     vision = vision_processor_class(cfg.model) if os.path.isdir(cfg.model) else None
     if vision is not None:
-        raise UsageError(
-            f"--model {cfg.model}: a vision-language target ({vision}); its image rows are read and estimated "
-            "(speccache estimate) but not yet computed: precompute runs text-only targets for now"
-        )
+        check_vision_run(cfg, vision)
     comm = comm or LocalComm()
     engine = engine_class(cfg.engine)(cfg, comm)
     plan = make_plan(cfg, comm)
@@ -339,6 +336,22 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
     if comm.rank == 0 and progress:
         print_summary(writer.manifest, time.monotonic() - started, writer.cap)
     return writer.manifest
+
+
+def check_vision_run(cfg: PrecomputeConfig, vision: str) -> None:
+    """Refuse, before anything is read, what a vision-language target (processor class ``vision``) is not run
+    with here: a method that does not read images, ``--append``; each engine refuses its own settings
+    (``check_model``).
+
+    Raises:
+        UsageError: the flag that is refused, and what to use instead.
+    """
+    target = f"--model {cfg.model} is a vision-language target ({vision})"
+    if not method_for(cfg.method).reads_images:
+        able = ", ".join(name for method in METHODS.values() if method.reads_images for name in method.presets)
+        raise UsageError(f"{target}: --method {cfg.method} does not compute it yet; use --method {able}")
+    if cfg.append:
+        raise UsageError(f"{target}: --append does not extend its caches yet; write a new cache (--out)")
 
 
 def _cache_writer(cfg: PrecomputeConfig, plan: Plan, extension: AppendPlan | None, writers: Comm) -> CacheWriter:
@@ -388,7 +401,10 @@ def _batches(
     groups: DataParallelGroups,
 ) -> _Batches:
     """How this rank computes its shards of ``plan`` with the method's ``target``."""
-    loader = token_loader(plan.samples, extension, cfg.batch_size, batch_pad_id(plan.tokenizer))
+    images = None
+    if plan.processor is not None:
+        images = ImageInputs(plan.processor, cfg.data, cfg.data_split, plan.manifest_config["vision"]["image_root"])
+    loader = token_loader(plan.samples, extension, cfg.batch_size, batch_pad_id(plan.tokenizer), images)
     sorted_plan = functools.partial(_sorted_shard_plan, loader, cfg) if cfg.batching == "sorted" else None
     # A forward that is a collective of all ranks (fsdp) needs every rank to take the same number of steps;
     # a tensor-parallel forward is a collective of its group, whose ranks all compute the same batches.
@@ -406,7 +422,7 @@ def _row_maker(target: MethodTarget, schema: Schema) -> Callable[[Mapping[str, t
 
 def _sorted_shard_plan(loader: DataLoader, cfg: PrecomputeConfig, start: int, end: int) -> list[list[int]]:
     """The batches of the samples ``[start, end)`` (a shard), longest first."""
-    lengths = [int(loader.dataset[i]["input_ids"].numel()) for i in range(start, end)]
+    lengths = [sample_length(loader.dataset, i) for i in range(start, end)]
     return [[start + i for i in b] for b in shard_batches(lengths, cfg.batch_size, cfg.max_batch_tokens)]
 
 

@@ -44,9 +44,9 @@ from speccache.data._processor import image_only
 __all__ = ["FAMILIES", "build_vlm_target", "draw_image", "ensure_vlm_target"]
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma3", "llava")
-VLM_VERSION = 1
+VLM_VERSION = 2  # 2: four decoder layers (EAGLE-3 reads three distinct ones)
 _MARKER = "speccache_vlm_target.json"
-_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4}
 _VISION = {"hidden_size": 32, "intermediate_size": 64}
 _CLIP_MEAN, _CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 
