@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Hashable, Mapping
-from typing import Any
+from collections.abc import Hashable, Mapping
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -44,13 +44,24 @@ def _cache_keyword(cls: type) -> str:
 _LAST = object()
 """The key of the final norm's output among a chunked forward's captured tensors."""
 
-Capture = Callable[
-    [torch.Tensor, torch.Tensor, Mapping[Hashable, int], "Hashable | None", "Mapping[str, torch.Tensor] | None"],
-    tuple[torch.Tensor, dict[Hashable, torch.Tensor]],
-]
-"""``(input_ids, attention_mask, outputs, input_of_first, image_inputs) -> (last_hidden_state, captured)``, as
-:func:`forward_capturing` with its model bound: padded ``[B, T, H]`` tensors; padding rows are never read.
-``image_inputs`` is ``None`` for a text-only target, else the batch's :data:`IMAGE_INPUTS` (empty for text rows)."""
+
+class Capture(Protocol):
+    """``(input_ids, attention_mask, outputs, input_of_first[, image_inputs]) -> (last_hidden_state, captured)``, as
+    :func:`forward_capturing` with its model bound: padded ``[B, T, H]`` tensors; padding rows are never read.
+
+    ``image_inputs``, the batch's :data:`IMAGE_INPUTS` (empty for text rows), is passed for a vision-language
+    target only, so an engine that runs text-only targets takes the first four arguments alone."""
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        outputs: Mapping[Hashable, int],
+        input_of_first: Hashable | None = None,
+        image_inputs: Mapping[str, torch.Tensor] | None = None,
+        /,
+    ) -> tuple[torch.Tensor, dict[Hashable, torch.Tensor]]: ...
+
 
 IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids", "token_type_ids")
 """The processor outputs a vision-language target's forward takes besides the ids: the images' pixels and

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,7 +249,11 @@ class Eagle3Target:
     ) -> dict[str, torch.Tensor]:
         """Padded features ``[B, T, ...]`` of one batch, in the model's dtype: aux, last hidden, logits-derived
         (and an M-RoPE target's ``positions``, int32)."""
-        last, captured = self.capture(input_ids, attention_mask, {i: i for i in self.aux_layers}, None, image_inputs)
+        outputs: dict[Hashable, int] = {i: i for i in self.aux_layers}
+        if image_inputs is None:  # a text-only target's engine takes four arguments (Capture)
+            last, captured = self.capture(input_ids, attention_mask, outputs, None)
+        else:
+            last, captured = self.capture(input_ids, attention_mask, outputs, None, image_inputs)
         feats = {
             "aux_hidden_states": torch.cat([captured[i] for i in self.aux_layers], dim=-1),
             "last_hidden_state": last,

@@ -225,7 +225,7 @@ class LayersTarget:
         """Padded features ``[B, T, H]`` of one batch, in the model's dtype, keyed as stored."""
         embed = next((f.key for f in self.features if f.norm == "embed"), None)
         outputs: dict[Hashable, int] = {f.key: f.layer for f in self.features if f.norm == "pre"}
-        last, captured = self.capture(input_ids, attention_mask, outputs, embed, None)
+        last, captured = self.capture(input_ids, attention_mask, outputs, embed)
         captured[LAST_HIDDEN] = last
         return {f.key: captured[f.key] for f in self.features}
 
