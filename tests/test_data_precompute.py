@@ -3,7 +3,6 @@ tokenizers without a chat template API, FastChat rows, the truncation warning, s
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gzip
 import json
@@ -13,19 +12,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 import zstandard
 
 import speccache.data.template as template_module
-import speccache.write
 from speccache.cli import main
 from speccache.data import file_content_hash, is_hub_id, iter_rows, load_chat_tokenizer, load_samples, tokenize_row
 from speccache.demo import build_demo_tokenizer, build_tiny_model_dir, demo_data_path
 from speccache.errors import DataError
 from speccache.format import load_manifest_json, manifest_path
 from speccache.methods.eagle3 import SIDE_FILE, check_aux_layers, default_aux_layers
+from support.faults import crash_after_one_shard
 
 FLAGS = ["--limit", "6", "--max-length", "48", "--batch-size", "2", "--shard-size", "2", "--quiet"]
 DATED_TEMPLATE = (
@@ -53,25 +51,6 @@ def _shards(out) -> dict[str, bytes]:
 
 def _precompute(model_dir, data, out, *extra) -> None:
     assert main(["precompute", "--model", model_dir, "--data", str(data), "--out", str(out), *FLAGS, *extra]) == 0
-
-
-@contextlib.contextmanager
-def _crash_after_one_shard(monkeypatch) -> Iterator[None]:
-    """A run whose shard writer fails (an OSError, as a full disk) after writing one shard."""
-    real_call = speccache.write.NativeShardWriter.__call__
-    written = []
-
-    def failing_call(self, output_dir, shard_index, samples):
-        if written:
-            raise OSError("simulated crash after one shard")
-        written.append(shard_index)
-        return real_call(self, output_dir, shard_index, samples)
-
-    monkeypatch.setattr(speccache.write.NativeShardWriter, "__call__", failing_call)
-    try:
-        yield
-    finally:
-        monkeypatch.setattr(speccache.write.NativeShardWriter, "__call__", real_call)
 
 
 def test_parquet_compressed_jsonl_and_saved_dataset_give_the_jsonl_cache(model_dir, tmp_path):
@@ -110,7 +89,7 @@ def test_resume_on_a_later_day_renders_the_pinned_date(model_dir, tmp_path, monk
 
     # the same run interrupted after one shard on day 1 ...
     out = tmp_path / "interrupted"
-    with _crash_after_one_shard(monkeypatch):
+    with crash_after_one_shard(monkeypatch):
         assert main(["precompute", "--model", model_dir, "--data", str(data), "--out", str(out), *FLAGS, *flags]) == 1
     # ... and resumed on day 2: the pinned date is the manifest's, so the bytes are day 1's.
     monkeypatch.setattr(template_module, "today", lambda: "2026-12-02")
@@ -409,7 +388,7 @@ def test_expand_turns_caches_one_sample_per_turn_and_resumes_byte_identical(mode
     assert "think 2 1" in masked and "Answer 2.1." in masked and "Answer 2.0" not in masked
 
     out = tmp_path / "interrupted"
-    with _crash_after_one_shard(monkeypatch):
+    with crash_after_one_shard(monkeypatch):
         assert main([*args, "--out", str(out)]) == 1
     assert main([*args, "--out", str(out), "--turns", "last", "--resume"]) == 1  # another turn mode: refused
     assert main([*args, "--out", str(out), "--resume"]) == 0

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 
-import speccache.write
 from speccache.cli import main
 from speccache.data import load_processor
 from speccache.demo.real_target import ensure_real_target
@@ -25,6 +24,7 @@ from speccache.errors import UsageError
 from speccache.format import load_manifest_json, manifest_path, shard_path
 from speccache.testing.vlm import FAMILIES, draw_image, ensure_vlm_target
 from support.cachecmp import all_samples, file_tree
+from support.faults import crash_after_one_shard
 
 AUX = (0, 1, 2)  # the tiny targets have 4 decoder layers; layer 3's output is the last hidden state (pre-norm)
 FLAGS = ["--aux-layers", ",".join(map(str, AUX)), "--dtype", "fp32", "--model-dtype", "fp32"]
@@ -180,19 +180,9 @@ def test_interrupted_run_resumes_byte_identical(caches, data, tmp_path, monkeypa
     model, reference = caches["qwen3_vl"]
     out = str(tmp_path / "cache")
     argv = ["precompute", "--model", model, "--data", str(data / "data.jsonl"), "--out", out, *FLAGS, *RUN]
-    real_call = speccache.write.NativeShardWriter.__call__
-    written: list[int] = []
-
-    def failing_call(self, output_dir, shard_index, samples):
-        if written:
-            raise OSError("simulated crash after one shard")
-        written.append(shard_index)
-        return real_call(self, output_dir, shard_index, samples)
-
-    monkeypatch.setattr(speccache.write.NativeShardWriter, "__call__", failing_call)
-    assert main(argv) == 1
+    with crash_after_one_shard(monkeypatch) as written:
+        assert main(argv) == 1
     assert "simulated crash" in capsys.readouterr().err
-    monkeypatch.undo()
     assert written == [0] and load_manifest_json(manifest_path(out))["complete"] is False
     assert main([*argv, "--resume"]) == 0
 
