@@ -11,7 +11,8 @@ import pytest
 
 from speccache.cli import build_parser, main
 from speccache.demo import demo_data_path, ensure_demo_target
-from speccache.format import load_manifest_json, manifest_path, shard_path
+from speccache.format import load_manifest_json, manifest_path
+from support.cachecmp import written_bytes
 
 pytestmark = pytest.mark.usefixtures("offline_single_thread")
 
@@ -86,16 +87,6 @@ def write_rows(path, rows: list) -> str:
     """One line per row; a str row is written as it is (a malformed line)."""
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return str(path)
-
-
-def written_bytes(cache: str) -> int:
-    """The bytes the run wrote: every file of the cache but its manifest (shards and side files)."""
-    manifest = load_manifest_json(manifest_path(cache))
-    files = [shard_path(cache, s["index"]) for s in manifest["shards"]]
-    files += [os.path.join(cache, name) for name in manifest["side_files"]]
-    # nothing but the files the manifest lists (no stray temporary file counted by chance)
-    assert sorted(files) == sorted(os.path.join(cache, n) for n in os.listdir(cache) if n != "manifest.json")
-    return sum(os.path.getsize(f) for f in files)
 
 
 def run_both(argv: list[str], out: str, capsys) -> tuple[dict, str, int]:

@@ -149,6 +149,31 @@ def test_cached_features_equal_a_live_forward_with_the_pixels(family, caches, da
             assert "positions" not in sample
 
 
+@pytest.mark.parametrize("family", ["qwen3_vl", "gemma3"])
+def test_layer_methods_capture_the_same_streams_with_the_pixels(family, caches, data, tmp_path):
+    """A layers cache of the same rows holds what the EAGLE-3 cache's aux states hold (checked against a live
+    forward above), its embeddings are the merged input embeddings, and an M-RoPE target's positions come along."""
+    model, eagle3 = caches[family]
+    out = str(tmp_path / "layers")
+    layers = ["--method", "layers", "--layers=-1,0,1,2", "--last-prenorm", "--last-hidden"]
+    argv = ["precompute", "--model", model, "--data", str(data / "data.jsonl"), "--out", out, *layers, *FLAGS[2:], *RUN]
+    assert main(argv) == 0
+    for index, (sample, ref) in enumerate(zip(all_samples(out), all_samples(eagle3), strict=True)):
+        assert torch.equal(sample["input_ids"], ref["input_ids"]) and torch.equal(sample["loss_mask"], ref["loss_mask"])
+        aux = torch.cat([sample[f"layer_{k:02d}"] for k in AUX], dim=-1)
+        torch.testing.assert_close(aux, ref["aux_hidden_states"], atol=1e-6, rtol=0)
+        torch.testing.assert_close(sample["last_hidden_state"], ref["last_hidden_state"], atol=1e-6, rtol=0)
+        _, live = _live(model, _messages(data, index))
+        torch.testing.assert_close(sample["layer_emb"], live["inputs_of"][0], atol=1e-6, rtol=0)
+        with torch.no_grad():  # the last layer's output before the norm is what the norm turns into the last state
+            normed = live["model"].model.language_model.norm(sample["layer_03_prenorm"])
+        torch.testing.assert_close(normed, sample["last_hidden_state"], atol=1e-5, rtol=0)
+        if family == "qwen3_vl":
+            assert torch.equal(sample["positions"], ref["positions"])
+        else:
+            assert "positions" not in sample
+
+
 def test_manifest_records_the_vision_settings_and_inspect_shows_positions(caches, capsys):
     _, cache = caches["qwen2_5_vl"]
     manifest = load_manifest_json(manifest_path(cache))
@@ -200,7 +225,6 @@ def test_interrupted_run_resumes_byte_identical(caches, data, tmp_path, monkeypa
     [
         (["--engine", "vllm"], "--engine vllm does not run it here (vLLM's vision-language modules need torchvision)"),
         (["--prefill-chunk", "8"], "its rows run whole, never chunked; leave out --prefill-chunk"),
-        (["--method", "layers", "--layers", "1"], "--method layers does not compute it yet; use --method eagle3"),
     ],
 )
 def test_what_is_not_supported_is_refused_up_front(flags, message, caches, data, tmp_path, capsys):

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from speccache.format import load_manifest_json, manifest_path, shard_path
 from speccache.read import CacheDataset
 
 
@@ -29,3 +30,13 @@ def same_samples(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tenso
     return len(a) == len(b) and all(
         x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b)
     )
+
+
+def written_bytes(cache: str) -> int:
+    """The bytes the run wrote: every file of the cache but its manifest (shards and side files)."""
+    manifest = load_manifest_json(manifest_path(cache))
+    files = [shard_path(cache, s["index"]) for s in manifest["shards"]]
+    files += [os.path.join(cache, name) for name in manifest["side_files"]]
+    # nothing but the files the manifest lists (no stray temporary file counted by chance)
+    assert sorted(files) == sorted(os.path.join(cache, n) for n in os.listdir(cache) if n != "manifest.json")
+    return sum(os.path.getsize(f) for f in files)

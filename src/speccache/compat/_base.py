@@ -8,14 +8,14 @@ Private plumbing of :mod:`speccache.compat`: :mod:`~speccache.compat.nemo`, :mod
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 
 from speccache.devices import DTYPES
-from speccache.errors import CacheExistsError
+from speccache.errors import CacheExistsError, CacheFormatError
 from speccache.format import atomic_write
 from speccache.read import CacheDataset
 
@@ -29,6 +29,7 @@ __all__ = [
     "batches",
     "check",
     "check_export_dir",
+    "refuse_vision",
     "load_target",
     "own",
     "scan",
@@ -44,6 +45,21 @@ def check_export_dir(out: str) -> None:
     """
     if os.path.isdir(out) and os.listdir(out):
         raise CacheExistsError(f"--out {out} is not empty; export into a new or empty directory")
+
+
+def refuse_vision(cache_dir: str, config: Mapping[str, Any], to: str, why: str) -> None:
+    """Refuse to export a vision-language target's cache (``config.vision``) to a layout whose trainer has no
+    vision-language path (``why``: the peer's own record of it).
+
+    Raises:
+        CacheFormatError: the cache's rows hold images.
+    """
+    if "vision" in config:
+        raise CacheFormatError(
+            f"{cache_dir}: a vision-language target's cache (its manifest records config.vision); --to {to} "
+            f"has no path for image rows: {why}. Train with speccache train, or export --to speculators (its "
+            "trainer reads the rows text-only: docs/vision.md)"
+        )
 
 
 def batches(ds: CacheDataset) -> Iterator[tuple[int, list[dict[str, torch.Tensor]]]]:

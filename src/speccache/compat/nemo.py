@@ -54,7 +54,7 @@ import torch
 from safetensors import SafetensorError
 
 from speccache.compat import offline_cache as oc
-from speccache.compat._base import DTYPES, batches, check_export_dir
+from speccache.compat._base import DTYPES, batches, check_export_dir, refuse_vision
 from speccache.errors import CacheFormatError, UsageError
 from speccache.format import LENGTHS_KEY, SOURCE_ROW_KEY, Manifest, ShardFile, shard_path, validate_contiguous_shards
 from speccache.format.durable import ensure_writable_dir, writes_to
@@ -138,10 +138,17 @@ class _Plan:
     side_tensors: dict[str, torch.Tensor]
 
 
+NO_VISION_PATH = (
+    "NeMo AutoModel's offline caches hold text rows (its vision-language drafts train online, on the fused "
+    "input embeddings)"
+)
+
+
 def _plan(cache_dir: str, to: str, layer_ids: Sequence[int] | None, verify: bool) -> _Plan:
     """What an export reads and writes: the source dataset, the shard maker, the manifest and the side file."""
     source = open_source(cache_dir)  # a cache or a view: a view exports the samples it selects
     config = source.config
+    refuse_vision(cache_dir, config, to, NO_VISION_PATH)
     common = {"num_samples": source.num_samples, "shard_size": source.shard_size, "dtype": config["dtype"]}
     ds: layers.LayerFeatureDataset | eagle3.Eagle3CacheDataset
     if to == "nemo-dspark":

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 
 from speccache.compat import specforge, speculators
-from speccache.compat._base import DTYPES, BadFile, batches, check_export_dir, load_target
+from speccache.compat._base import DTYPES, BadFile, batches, check_export_dir, load_target, refuse_vision
 from speccache.compat.specforge import SPECFORGE, SPECFORGE_DFLASH, SPECFORGE_DSPARK
 from speccache.compat.speculators import SPECULATORS
 from speccache.errors import CacheFormatError, UsageError
@@ -63,6 +63,8 @@ def export_peer(
         raise UsageError(f"--to {to!r} is unknown; choose one of {', '.join(LAYOUTS)}")
     check_export_dir(out)
     source = open_source(cache_dir)  # a cache or a view: a view exports the samples it selects
+    if to != SPECULATORS:
+        refuse_vision(cache_dir, source.config, to, specforge.NO_VISION_PATH)
     plans = {
         SPECFORGE: specforge.export_plan,
         SPECFORGE_DFLASH: specforge.dflash_family_export_plan(dspark=False),

@@ -52,6 +52,12 @@ def specforge_path(out: str, index: int) -> str:
     return os.path.join(out, f"rows_{first:08d}-{first + FILES_PER_DIR:08d}", f"data_{index:08d}.ckpt")
 
 
+NO_VISION_PATH = (
+    "SpecForge removed its vision-language training path (SpecForge #678) after drafts trained on it accepted about "
+    "one token (#310), and its offline capture dropped the pixels (#497)"
+)
+
+
 def export_plan(cache_dir: str, source: CacheSource, layer_ids: Sequence[int] | None, verify: bool) -> PeerExport:
     """Plan ``--to specforge``: an EAGLE-3 cache (``hidden`` supervision) or a layers cache, a ``*.ckpt`` a sample."""
     vocab: dict[str, torch.Tensor] | None = None

@@ -157,14 +157,11 @@ class Method(Protocol):
         cache_name: the manifest's ``cache_name`` (what its readers open).
         side_file: the name of its side file.
         presets: each ``--method`` name it answers to, and what that stores.
-        reads_images: whether it computes a vision-language target's rows (its target passes the batch's
-            :data:`speccache.methods.decoder.IMAGE_INPUTS` to the capture).
     """
 
     cache_name: str
     side_file: str
     presets: Mapping[str, str]
-    reads_images: bool
 
     def check_flags(self, cfg: MethodSettings) -> None:
         """Refuse, before anything is read, the flags this method does not take (``UsageError``: the CLI exits 2)."""

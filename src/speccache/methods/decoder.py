@@ -19,7 +19,9 @@ __all__ = [
     "IMAGE_INPUTS",
     "POSITIONS",
     "Capture",
+    "batch_image_inputs",
     "cache_argument",
+    "capture_batch",
     "decoder_calls",
     "decoder_layers",
     "final_norm",
@@ -70,6 +72,30 @@ grids (concatenated over a batch's images), and the per-token modality ids (righ
 POSITIONS = "positions"
 """The capture key of an M-RoPE target's positions, ``[B, T, 3]`` (temporal, height, width), as the forward used
 them."""
+
+
+def batch_image_inputs(
+    model_config: Any, batch: Mapping[str, torch.Tensor], device: torch.device
+) -> dict[str, torch.Tensor] | None:
+    """A padded batch's :data:`IMAGE_INPUTS` on ``device`` for a vision-language target, ``None`` for a text-only
+    one (whose :class:`Capture` takes no image inputs)."""
+    if not is_vision_language(model_config):
+        return None
+    return {k: batch[k].to(device) for k in IMAGE_INPUTS if k in batch}
+
+
+def capture_batch(
+    capture: Capture,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    outputs: Mapping[Hashable, int],
+    input_of_first: Hashable | None,
+    image_inputs: Mapping[str, torch.Tensor] | None,
+) -> tuple[torch.Tensor, dict[Hashable, torch.Tensor]]:
+    """Call ``capture``, passing ``image_inputs`` only when there are some (see :class:`Capture`)."""
+    if image_inputs is None:
+        return capture(input_ids, attention_mask, outputs, input_of_first)
+    return capture(input_ids, attention_mask, outputs, input_of_first, image_inputs)
 
 
 def is_vision_language(model_config: Any) -> bool:

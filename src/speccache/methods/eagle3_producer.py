@@ -39,13 +39,13 @@ from speccache.methods.base import (
     text_config,
 )
 from speccache.methods.decoder import (
-    IMAGE_INPUTS,
     POSITIONS,
     Capture,
+    batch_image_inputs,
+    capture_batch,
     decoder_layers,
     forward_capturing,
     is_mrope,
-    is_vision_language,
 )
 from speccache.methods.eagle3 import (
     CACHE_NAME,
@@ -238,7 +238,6 @@ class Eagle3Target:
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.full_vocab = selected.numel() == self.vocab_size
         self.lm_head = model.get_output_embeddings()
-        self.reads_images = is_vision_language(model.config)
 
     @torch.no_grad()
     def forward_features(
@@ -250,10 +249,7 @@ class Eagle3Target:
         """Padded features ``[B, T, ...]`` of one batch, in the model's dtype: aux, last hidden, logits-derived
         (and an M-RoPE target's ``positions``, int32)."""
         outputs: dict[Hashable, int] = {i: i for i in self.aux_layers}
-        if image_inputs is None:  # a text-only target's engine takes four arguments (Capture)
-            last, captured = self.capture(input_ids, attention_mask, outputs, None)
-        else:
-            last, captured = self.capture(input_ids, attention_mask, outputs, None, image_inputs)
+        last, captured = capture_batch(self.capture, input_ids, attention_mask, outputs, None, image_inputs)
         feats = {
             "aux_hidden_states": torch.cat([captured[i] for i in self.aux_layers], dim=-1),
             "last_hidden_state": last,
@@ -307,8 +303,9 @@ class Eagle3Target:
         """
         input_ids = batch["input_ids"].to(self.device)
         attention_mask = batch["attention_mask"].to(self.device)
-        images = {k: batch[k].to(self.device) for k in IMAGE_INPUTS if k in batch} if self.reads_images else None
-        feats = self.forward_features(input_ids, attention_mask, images)
+        feats = self.forward_features(
+            input_ids, attention_mask, batch_image_inputs(self.model.config, batch, self.device)
+        )
         real = attention_mask.bool()
         if self.supervision.mode != "hidden":
             feats.pop("last_hidden_state")
@@ -409,7 +406,6 @@ class Eagle3Method:
 
     cache_name = CACHE_NAME
     side_file = SIDE_FILE
-    reads_images = True
     presets: Mapping[str, str] = {
         "eagle3": "EAGLE-3: three aux layers (--aux-layers) and --supervision over --draft-vocab-size tokens"
     }

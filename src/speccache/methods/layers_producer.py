@@ -26,7 +26,15 @@ from speccache.methods.base import (
     PrePass,
     text_config,
 )
-from speccache.methods.decoder import Capture, decoder_layers, forward_capturing
+from speccache.methods.decoder import (
+    POSITIONS,
+    Capture,
+    batch_image_inputs,
+    capture_batch,
+    decoder_layers,
+    forward_capturing,
+    is_mrope,
+)
 from speccache.methods.eagle3 import Supervision
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
 from speccache.methods.layers import (
@@ -167,9 +175,14 @@ def preset_selection(
 
 
 def layers_schema(
-    selection: LayerSelection, hidden_size: int, dtype: torch.dtype, encodings: Mapping[str, str] | None = None
+    selection: LayerSelection,
+    hidden_size: int,
+    dtype: torch.dtype,
+    encodings: Mapping[str, str] | None = None,
+    positions: bool = False,
 ) -> Schema:
-    """The key schema of a layers cache.
+    """The key schema of a layers cache (with ``positions``: an M-RoPE target's 3-D positions of each token, as
+    :func:`speccache.methods.eagle3_producer.eagle3_schema` stores them).
 
     Raises:
         ValueError: an encoding names a key that is not a feature of this cache.
@@ -181,6 +194,8 @@ def layers_schema(
         raise UsageError(f"--encode names {unknown}, which are not float features of this cache; choose from {names}")
     specs = [KeySpec("input_ids", torch.int32, (), ragged=True), KeySpec("loss_mask", torch.bool, (), ragged=True)]
     specs += [KeySpec(n, dtype, (hidden_size,), ragged=True, encoding=enc.get(n, "raw")) for n in names]
+    if positions:
+        specs.append(KeySpec(POSITIONS, torch.int32, (3,), ragged=True))
     specs.append(source_row_spec())
     return {s.name: s for s in specs}
 
@@ -189,7 +204,9 @@ class LayersTarget:
     """A frozen target that turns padded token batches into the features of a :class:`LayerSelection`.
 
     Hooks on the decoder layers capture their outputs (and the first layer's input for the embeddings);
-    ``last_hidden_state`` is the decoder's final-norm output.
+    ``last_hidden_state`` is the decoder's final-norm output. A vision-language target's batch runs with its
+    images, as for EAGLE-3 (:func:`speccache.methods.decoder.forward_capturing`): the embeddings are then the
+    merged input embeddings, and an M-RoPE target's rows add its ``positions``.
 
     Args:
         model: a Hugging Face causal LM (eval mode is set here).
@@ -221,13 +238,22 @@ class LayersTarget:
         self.device = next(model.parameters()).device
 
     @torch.no_grad()
-    def forward_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Padded features ``[B, T, H]`` of one batch, in the model's dtype, keyed as stored."""
+    def forward_features(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        image_inputs: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Padded features ``[B, T, H]`` of one batch, in the model's dtype, keyed as stored (and an M-RoPE
+        target's ``positions``, int32)."""
         embed = next((f.key for f in self.features if f.norm == "embed"), None)
         outputs: dict[Hashable, int] = {f.key: f.layer for f in self.features if f.norm == "pre"}
-        last, captured = self.capture(input_ids, attention_mask, outputs, embed)
+        last, captured = capture_batch(self.capture, input_ids, attention_mask, outputs, embed, image_inputs)
         captured[LAST_HIDDEN] = last
-        return {f.key: captured[f.key] for f in self.features}
+        feats = {f.key: captured[f.key] for f in self.features}
+        if POSITIONS in captured:
+            feats[POSITIONS] = captured[POSITIONS].to(torch.int32)
+        return feats
 
     def layer_of(self, key: str, column: int) -> str:
         """Where feature ``key`` comes from in the target (for error messages)."""
@@ -241,13 +267,17 @@ class LayersTarget:
             NonFiniteFeatureError: a feature is NaN/Inf and the mode is ``fail``.
         """
         attention_mask = batch["attention_mask"].to(self.device)
-        feats = self.forward_features(batch["input_ids"].to(self.device), attention_mask)
+        images = batch_image_inputs(self.model.config, batch, self.device)
+        feats = self.forward_features(batch["input_ids"].to(self.device), attention_mask, images)
         real = attention_mask.bool()
         rows: dict[str, torch.Tensor] = {
             "loss_mask": batch["loss_mask"].to(self.device)[real].bool(),
             LENGTHS_KEY: real.sum(1).to(torch.int64),
         }
-        rows.update((name, value[real].to(self.dtype)) for name, value in feats.items())
+        rows.update(
+            (name, value[real].to(self.dtype) if value.is_floating_point() else value[real])
+            for name, value in feats.items()
+        )
         source = batch.get("source_row")
         guard_nonfinite(rows, self.nonfinite, self.layer_of, batch.get("sample_index"), source)
         out = {"input_ids": batch["input_ids"][batch["attention_mask"].bool()].to(torch.int32)}
@@ -269,7 +299,6 @@ class LayersMethod:
 
     cache_name = CACHE_NAME
     side_file = SIDE_FILE
-    reads_images = False  # its target runs the text path (a vision-language target is refused up front)
     presets: Mapping[str, str] = PRESETS
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
@@ -310,7 +339,7 @@ class LayersMethod:
         selection = preset_selection(cfg.method, num_layers, cfg.layers, cfg.last_hidden, cfg.last_prenorm)
         features = selection.features()
         return MethodPlan(
-            schema=layers_schema(selection, int(text.hidden_size), dtype, cfg.encodings),
+            schema=layers_schema(selection, int(text.hidden_size), dtype, cfg.encodings, is_mrope(model_config)),
             config=selection.manifest_config(model_config),
             request=CaptureRequest(
                 layers=tuple(f.layer for f in features if f.norm == "pre"),

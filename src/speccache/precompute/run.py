@@ -64,7 +64,7 @@ from speccache.methods.base import (
     text_config,
 )
 from speccache.methods.finite import SKIP_REASON, ClearedCounter
-from speccache.methods.registry import METHODS, method_for
+from speccache.methods.registry import method_for
 from speccache.precompute._tokens import ImageInputs, batch_pad_id, sample_length, token_loader
 from speccache.precompute.append import DATA_FIELDS, AppendPlan, merge_stats, plan_append
 from speccache.precompute.config import PrecomputeConfig
@@ -340,16 +340,12 @@ def run_precompute(cfg: PrecomputeConfig, comm: Comm | None = None, progress: bo
 
 def check_vision_run(cfg: PrecomputeConfig, vision: str) -> None:
     """Refuse, before anything is read, what a vision-language target (processor class ``vision``) is not run
-    with here: a method that does not read images, ``--append``; each engine refuses its own settings
-    (``check_model``).
+    with here: ``--append``; each engine refuses its own settings (``check_model``).
 
     Raises:
         UsageError: the flag that is refused, and what to use instead.
     """
     target = f"--model {cfg.model} is a vision-language target ({vision})"
-    if not method_for(cfg.method).reads_images:
-        able = ", ".join(name for method in METHODS.values() if method.reads_images for name in method.presets)
-        raise UsageError(f"{target}: --method {cfg.method} does not compute it yet; use --method {able}")
     if cfg.append:
         raise UsageError(f"{target}: --append does not extend its caches yet; write a new cache (--out)")
 
