@@ -99,6 +99,7 @@ bench: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/streaming.py --out docs/benchmarks.md
 	OMP_NUM_THREADS=1 $(PY) benchmarks/long_samples.py --out docs/benchmarks.md
 	OMP_NUM_THREADS=1 $(PY) benchmarks/verify.py --scale 1.0 --rounds 9 --out docs/benchmarks.md
+	OMP_NUM_THREADS=1 $(PY) benchmarks/vision.py --out docs/benchmarks.md
 
 # The acceptance run of issue 21 (benchmarks/acceptance.py): regenerate answers to the bundled prompts with
 # SmolLM2-135M-Instruct, precompute, train a draft per size and evaluate it against prompt lookup and the n-gram
