@@ -30,7 +30,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -92,15 +92,17 @@ class DraftConfig:
         interleaved, else Qwen2.5-VL's), which take position ids ``[3, B, S]``."""
         if self.mrope_section is None:
             return LlamaRotaryEmbedding(self.llama())
-        family = Qwen3VLTextConfig if self.mrope_interleaved else Qwen2_5_VLTextConfig
-        text = family(
-            hidden_size=self.hidden_size,
-            num_attention_heads=self.num_attention_heads,
-            head_dim=self.head_dim,
-            max_position_embeddings=self.max_position_embeddings,
-            rope_parameters=self.rope_parameters(),
-        )
-        return Qwen3VLTextRotaryEmbedding(text) if self.mrope_interleaved else Qwen2_5_VLRotaryEmbedding(text)
+        shape: dict[str, Any] = {
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_parameters": self.rope_parameters(),
+        }
+        if self.mrope_interleaved:
+            return Qwen3VLTextRotaryEmbedding(Qwen3VLTextConfig(**shape))
+        # it reads the text config's fields; its annotation names the model's whole config
+        return Qwen2_5_VLRotaryEmbedding(cast(Any, Qwen2_5_VLTextConfig(**shape)))
 
     def llama(self) -> LlamaConfig:
         """The transformers config of the decoder layer (sdpa attention, so a boolean mask can be passed)."""

@@ -38,13 +38,10 @@ def check_draft_inputs(mode: str, source: CacheSource | None = None) -> None:
     """
     if mode not in DRAFT_INPUTS:
         raise UsageError(f"--draft-inputs {mode!r} is unknown; choose one of {', '.join(DRAFT_INPUTS)}")
-    vision = source.config.get("vision") if source is not None else None
-    if (
-        mode == "merged"
-        and source is not None
-        and vision is not None
-        and ("image_embeds" not in source.schema or "image_token_id" not in vision)
-    ):
+    if mode != "merged" or source is None:
+        return
+    vision = source.config.get("vision")  # None for a text target's cache: nothing to merge, nothing refused
+    if vision is not None and ("image_embeds" not in source.schema or "image_token_id" not in vision):
         raise UsageError(
             f"--draft-inputs merged: {source.path} holds no image_embeds (and the image token id) to merge; "
             "use --draft-inputs served (what vLLM feeds an EAGLE-3 draft), or precompute again keeping them (without "
@@ -52,9 +49,11 @@ def check_draft_inputs(mode: str, source: CacheSource | None = None) -> None:
         )
 
 
-def target_mrope(mode: str, source: CacheSource) -> tuple[list[int], bool] | None:
-    """The M-RoPE sections and interleaving of the target's text config when the draft reads the cache's 3-D
-    ``positions`` (``served`` or ``merged`` on a cache that holds them), else ``None``.
+def target_mrope(mode: str, source: CacheSource) -> dict[str, Any]:
+    """The :class:`speccache.train.draft.DraftConfig` fields of an M-RoPE draft, from the target's text config
+    (``mrope_section``, ``mrope_interleaved``, and ``rope_theta``, so that the draft rotates the target's positions
+    as the target does), when the draft reads the cache's 3-D ``positions`` (``served`` or ``merged`` on a cache
+    that holds them); else none (``{}``: a 1-D draft).
 
     Read from the target's ``config.json`` (the manifest's ``model``): the cache holds positions, not sections.
 
@@ -62,10 +61,10 @@ def target_mrope(mode: str, source: CacheSource) -> tuple[list[int], bool] | Non
         UsageError: the target's config cannot be read, or has no ``mrope_section``.
     """
     if mode == "tokens" or "positions" not in source.schema:
-        return None
+        return {}
     from transformers import AutoConfig
 
-    model = source.config.get("model")
+    model = str(source.config.get("model"))
     try:
         text = AutoConfig.from_pretrained(model).get_text_config()
     except (OSError, ValueError, TypeError) as e:
@@ -80,7 +79,11 @@ def target_mrope(mode: str, source: CacheSource) -> tuple[list[int], bool] | Non
             f"--draft-inputs {mode}: {source.path} holds M-RoPE positions but the target's config at {model!r} has "
             "no mrope_section; use --draft-inputs tokens"
         )
-    return [int(s) for s in rope["mrope_section"]], bool(rope.get("mrope_interleaved", False))
+    return {
+        "mrope_section": [int(s) for s in rope["mrope_section"]],
+        "mrope_interleaved": bool(rope.get("mrope_interleaved", False)),
+        "rope_theta": float(rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))),
+    }
 
 
 def slot_inputs(

@@ -133,12 +133,12 @@ def draft_for_cache(
     hidden = int(config["hidden_size"])
     heads, head_dim = _shape(hidden)
     mrope = target_mrope(draft_inputs, source)
-    if mrope is not None:
-        head_dim = 2 * sum(mrope[0])  # vLLM's MRotaryEmbedding rotates the whole head by the sections
+    if mrope:
+        head_dim = 2 * sum(mrope["mrope_section"])  # vLLM's MRotaryEmbedding rotates the whole head by the sections
         if hidden % head_dim:
             raise UsageError(
-                f"--draft-inputs {draft_inputs}: the target's mrope_section {mrope[0]} spans heads of {head_dim}, "
-                f"which do not divide the hidden size {hidden}; use --draft-inputs tokens"
+                f"--draft-inputs {draft_inputs}: the target's mrope_section {mrope['mrope_section']} spans heads of "
+                f"{head_dim}, which do not divide the hidden size {hidden}; use --draft-inputs tokens"
             )
         heads = hidden // head_dim
     shape = DraftConfig(
@@ -150,8 +150,7 @@ def draft_for_cache(
         head_dim=head_dim,
         intermediate_size=intermediate_size or 2 * hidden,
         aux_layers=[int(i) for i in config["aux_layers"]],
-        mrope_section=mrope[0] if mrope else None,
-        mrope_interleaved=mrope[1] if mrope else False,
+        **mrope,
     )
     tensors = read_side_file(os.path.join(cache_dir, SIDE_FILE), ("embed_tokens", "lm_head", "d2t", "t2d"))
     draft = Eagle3Draft(shape, tensors["embed_tokens"], tensors["lm_head"], tensors["d2t"], tensors["t2d"])
