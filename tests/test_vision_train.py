@@ -22,9 +22,9 @@ from speccache.cli import main
 from speccache.demo import demo_data_path
 from speccache.demo.real_target import ensure_real_target
 from speccache.errors import UsageError
-from speccache.format import LENGTHS_KEY, KeySpec
+from speccache.format import FORMAT_VERSION, LENGTHS_KEY, KeySpec
 from speccache.methods.eagle3 import SIDE_FILE, Eagle3CacheDataset, TargetHead, build_eagle3_dataloader, draft_view
-from speccache.read import PackCollator
+from speccache.offline_cache import CachedTensorDataset
 from speccache.read.source import open_source
 from speccache.testing.vlm import draw_image, ensure_vlm_target
 from speccache.train.draft import DraftConfig, Eagle3Draft, load_draft
@@ -133,12 +133,17 @@ def test_a_padded_batch_hands_each_slot_its_state_position(family, caches):
     assert any((s["positions"][:, 0] != s["positions"][:, 1]).any() for s in samples)  # real 3-D positions
 
 
-def test_a_packed_batch_holds_the_cached_positions(caches):
-    _, cache = caches["qwen3_vl"]
+@pytest.mark.parametrize("which", ["qwen3_vl", "embeds"])
+def test_a_packed_batch_holds_the_cached_rows(which, caches, embeds_cache):
+    cache = embeds_cache[0] if which == "embeds" else caches[which][1]
     dataset = Eagle3CacheDataset(cache)
-    batch = PackCollator({k for k, s in dataset.schema.items() if s.ragged})(dataset.__getitems__(range(len(dataset))))
+    batch = dataset.collator(pack=True)(dataset.__getitems__(range(len(dataset))))
+    samples = all_samples(cache)
     # a packed draft takes each sample's own rows for its position ids, not an arange from cu_seqlens
-    assert torch.equal(batch["positions"], torch.cat([s["positions"] for s in all_samples(cache)]))
+    assert torch.equal(batch["positions"], torch.cat([s["positions"] for s in samples]))
+    if which == "embeds":
+        assert torch.equal(batch["image_embeds"], torch.cat([s["image_embeds"] for s in samples]))
+        assert torch.equal(batch["image_mask"], torch.cat([s["input_ids"] == embeds_cache[1] for s in samples]))
 
 
 def test_image_embeds_and_image_mask_are_the_next_tokens(embeds_cache):
@@ -299,3 +304,9 @@ def test_a_text_cache_trains_identically_in_every_mode(tiny_models, tmp_path):
             losses[mode] = [json.loads(line)["loss"] for line in f]
         assert not load_draft(out).uses_mrope
     assert losses["served"] == losses["merged"] == losses["tokens"]
+
+
+def test_the_nemo_drop_in_hands_the_cached_positions_as_they_are(caches):
+    _, cache = caches["qwen2_5_vl"]
+    dataset = CachedTensorDataset(cache, "eagle3", FORMAT_VERSION, ("input_ids", "positions"))
+    assert all(torch.equal(dataset[i]["positions"], s["positions"]) for i, s in enumerate(all_samples(cache)))

@@ -57,7 +57,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from speccache.errors import CacheFormatError, UsageError
 from speccache.methods.side import read_side_file
-from speccache.read import CacheDataset, PadCollator, Sample
+from speccache.read import CacheDataset, PackCollator, PadCollator, Sample
 from speccache.read.follow import Follow, check_follow_loader, follow_settings
 from speccache.read.source import open_source, reader_sampler
 from speccache.read.view import ViewDataset
@@ -217,10 +217,13 @@ class Eagle3CacheDataset(CacheDataset):
     def __getitems__(self, indices: Sequence[int]) -> list[Sample]:
         return [self._finish(s) for s in super().__getitems__(indices)]
 
-    def collator(self, pin_memory: bool | None = None) -> PadCollator:
-        """The padding collator of this cache's samples (adds ``attention_mask`` and ``lengths``)."""
+    def collator(self, pin_memory: bool | None = None, pack: bool = False) -> PadCollator | PackCollator:
+        """The padding collator of this cache's samples (adds ``attention_mask`` and ``lengths``), or with ``pack``
+        the packing one (adds ``cu_seqlens`` and ``lengths``; a packed batch's ``positions``, where the cache holds
+        them, are each sample's own rows, the position ids a packed draft reads)."""
         ragged = {k for k, s in self.schema.items() if s.ragged} | {"target_probs", "position_mask", "image_mask"}
-        return PadCollator(ragged - {"topk_probs", "topk_ids"}, pin_memory=pin_memory)
+        ragged -= {"topk_probs", "topk_ids"}
+        return PackCollator(ragged, pin_memory) if pack else PadCollator(ragged, pin_memory=pin_memory)
 
 
 def build_eagle3_dataloader(
