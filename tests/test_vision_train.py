@@ -289,7 +289,7 @@ def test_train_merged_reads_the_image_embeds(embeds_cache, caches, tmp_path, cap
 def test_an_unknown_mode_is_refused(caches, tmp_path, capsys):
     out = str(tmp_path / "d")
     assert main(["train", caches["qwen3_vl"][1], "--out", out, "--draft-inputs", "pixels", *TRAIN]) == 2
-    assert "--draft-inputs 'pixels' is unknown; choose one of served, merged, tokens" in capsys.readouterr().err
+    assert "unknown --draft-inputs 'pixels'; choose one of served, merged, tokens" in capsys.readouterr().err
 
 
 def test_a_text_cache_trains_identically_in_every_mode(tiny_models, tmp_path):

@@ -37,7 +37,7 @@ def check_draft_inputs(mode: str, source: CacheSource | None = None) -> None:
         UsageError: names ``--draft-inputs`` and what to use instead.
     """
     if mode not in DRAFT_INPUTS:
-        raise UsageError(f"--draft-inputs {mode!r} is unknown; choose one of {', '.join(DRAFT_INPUTS)}")
+        raise UsageError(f"unknown --draft-inputs {mode!r}; choose one of {', '.join(DRAFT_INPUTS)}")
     if mode != "merged" or source is None:
         return
     vision = source.config.get("vision")  # None for a text target's cache: nothing to merge, nothing refused
