@@ -310,3 +310,13 @@ def test_the_nemo_drop_in_hands_the_cached_positions_as_they_are(caches):
     _, cache = caches["qwen2_5_vl"]
     dataset = CachedTensorDataset(cache, "eagle3", FORMAT_VERSION, ("input_ids", "positions"))
     assert all(torch.equal(dataset[i]["positions"], s["positions"]) for i, s in enumerate(all_samples(cache)))
+
+
+def test_an_unreadable_target_config_is_refused_naming_the_way_out(caches, monkeypatch):
+    def missing(*args, **kwargs):
+        raise OSError("no config.json")
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", missing)
+    with pytest.raises(UsageError, match="holds M-RoPE positions, and the draft takes its sections from the"):
+        draft_for_cache(caches["qwen3_vl"][1], draft_inputs="served")
+    assert not draft_for_cache(caches["qwen3_vl"][1], draft_inputs="tokens")[0].uses_mrope  # reads no config

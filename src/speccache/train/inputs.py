@@ -82,7 +82,7 @@ def target_mrope(mode: str, source: CacheSource) -> dict[str, Any]:
     return {
         "mrope_section": [int(s) for s in rope["mrope_section"]],
         "mrope_interleaved": bool(rope.get("mrope_interleaved", False)),
-        "rope_theta": float(rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))),
+        "rope_theta": float(rope["rope_theta"]),  # transformers 5 keeps it among the rope parameters
     }
 
 
