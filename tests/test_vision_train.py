@@ -198,6 +198,16 @@ def test_the_mrope_draft_rotates_as_the_target_family(family, caches):
     ours = draft.rotary(x, draft.position_ids(positions, 1))
     theirs = target.model.language_model.rotary_emb(x, positions.T[:, None])  # the target's [3, B, S]
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    # and as vLLM's MRotaryEmbedding lays the sections out: frequency i rotates by the row its section names
+    # (Qwen2.5-VL: consecutive sections t, h, w; Qwen3-VL: interleaved t h w t h w ..., each row up to 3 * section)
+    section, half = draft.config.mrope_section, draft.config.head_dim // 2
+    if draft.config.mrope_interleaved:
+        rows = [i % 3 if i < 3 * section[i % 3] else 0 for i in range(half)]
+    else:
+        rows = [k for k, n in enumerate(section) for _ in range(n)]
+    inv_freq = 1.0 / (draft.config.rope_theta ** (torch.arange(0, half * 2, 2).float() / (half * 2)))
+    angles = positions[:, rows].float() * inv_freq
+    assert torch.allclose(ours[0][0], torch.cat([angles, angles], -1).cos(), atol=1e-6, rtol=0)
 
 
 def test_equal_rows_give_the_1d_draft(caches):
@@ -262,6 +272,7 @@ def test_train_served_and_tokens_end_to_end(family, caches, tmp_path):
             assert 2 * sum(section) == config["head_dim"] and draft.uses_mrope
         else:
             assert "rope_parameters" not in config and "rope_scaling" not in config and not draft.uses_mrope
+        assert draft.config == draft_for_cache(cache, draft_inputs=mode)[0].config  # mrope fields and theta too
         saved = load_file(os.path.join(out, "model.safetensors"))
         assert all(torch.equal(saved[k], v) for k, v in draft.state_dict().items())
 
