@@ -469,6 +469,7 @@ TRIGGERS: dict[str, T] = {
     "must be a positive learning rate": _train(lr=0.0),
     "must be a positive weight ratio": _train(step_decay=0.0),
     "is unknown; choose one of generated, all": _train(supervise="prompts"),
+    "unknown --draft-inputs": _train(draft_inputs="pixels"),
     "must be a share of the steps": _train(warmup=1.0),
     "is not a draft that speccache train wrote": _foreign_draft,
     "is unknown; choose cpu or cuda": _train(device="tpu"),

@@ -41,6 +41,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         supervise=args.supervise,
         intermediate_size=args.intermediate_size,
         compute_dtype=args.compute_dtype,
+        draft_inputs=args.draft_inputs,
         device=args.device,
         verify=not args.no_verify,
         follow=Follow(
@@ -167,6 +168,13 @@ def register_commands(sub: Any) -> None:
         "--compute-dtype",
         default="fp32",
         help="the draft's forward: fp32 (default, exact) or bf16 (autocast; fp32 weights and optimizer)",
+    )
+    p.add_argument(
+        "--draft-inputs",
+        default="served",
+        help="what the draft reads on a vision-language cache: served (default: what vLLM feeds an EAGLE-3 draft, "
+        "the target's M-RoPE positions), merged (the target's image embeddings at image tokens) or tokens "
+        "(text positions, the peers' habit); one training on a text cache",
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest on a busy CPU)")

@@ -8,6 +8,8 @@ training-time-test step ``a`` is graded on the slots ``j >= a`` of the mask agai
 and the loss is the steps' mean weighted by ``step_decay ** a`` (1: the plain mean). ``supervise="all"`` grades
 every row the cache holds (prompts and template tokens too: the target's distribution is stored at every row),
 not only the generated ones the loss mask marks; on little data that taught the draft more (docs/acceptance.md).
+``draft_inputs`` says what the draft reads at each slot and at which position (:mod:`speccache.train.inputs`:
+what vLLM serves, by default; the merged image embeddings; or the text habit); on a text cache they are one.
 
 Batches hold samples of similar length (:class:`LengthGroupedSampler`), so little of a batch is padding. The
 learning rate warms up linearly over the first ``warmup`` share of the steps, then follows a cosine to
@@ -44,6 +46,7 @@ from speccache.read import LocalityShuffleSampler
 from speccache.read.follow import Follow, FollowLoader
 from speccache.read.source import open_source, reader_sampler
 from speccache.train.draft import LOSS_CURVE, TRAIN_LOG, DraftConfig, Eagle3Draft, check_new_draft_dir, save_draft
+from speccache.train.inputs import DRAFT_INPUTS, check_draft_inputs, slot_inputs, target_mrope
 from speccache.train.plots import loss_curve, not_drawn
 
 __all__ = [
@@ -110,16 +113,34 @@ class LengthGroupedSampler(Sampler[int]):
             yield from batches[b]
 
 
-def draft_for_cache(cache_dir: str, intermediate_size: int | None = None) -> tuple[Eagle3Draft, TargetHead]:
+def draft_for_cache(
+    cache_dir: str, intermediate_size: int | None = None, draft_inputs: str = DRAFT_INPUTS[0]
+) -> tuple[Eagle3Draft, TargetHead]:
     """A fresh draft shaped for an EAGLE-3 cache (seed torch first), and the cache's :class:`TargetHead`.
 
     The draft's embedding is the side file's ``embed_tokens`` (frozen), its head starts from the side file's
     LM-head rows, its vocabulary maps are the side file's ``d2t``/``t2d``; ``intermediate_size`` defaults to
-    ``2 * hidden``.
+    ``2 * hidden``. With ``draft_inputs`` ``served`` or ``merged`` on a cache that holds M-RoPE ``positions`` it is
+    an M-RoPE draft with the target's sections (its heads as wide as the sections span, ``2 * sum(section)``).
+
+    Raises:
+        UsageError: ``draft_inputs`` unknown or refused for this cache (:func:`check_draft_inputs`), or an M-RoPE
+            target whose config cannot be read or whose heads do not divide the hidden size.
     """
-    config = open_source(cache_dir, CACHE_NAME).config  # the manifest's, sealed or still being written
+    source = open_source(cache_dir, CACHE_NAME)  # the manifest's, sealed or still being written
+    check_draft_inputs(draft_inputs, source)
+    config = source.config
     hidden = int(config["hidden_size"])
     heads, head_dim = _shape(hidden)
+    mrope = target_mrope(draft_inputs, source)
+    if mrope:
+        head_dim = 2 * sum(mrope["mrope_section"])  # vLLM's MRotaryEmbedding rotates the whole head by the sections
+        if hidden % head_dim:
+            raise UsageError(
+                f"--draft-inputs {draft_inputs}: the target's mrope_section {mrope['mrope_section']} spans heads of "
+                f"{head_dim}, which do not divide the hidden size {hidden}; use --draft-inputs tokens"
+            )
+        heads = hidden // head_dim
     shape = DraftConfig(
         hidden_size=hidden,
         vocab_size=int(config["vocab_size"]),
@@ -129,6 +150,7 @@ def draft_for_cache(cache_dir: str, intermediate_size: int | None = None) -> tup
         head_dim=head_dim,
         intermediate_size=intermediate_size or 2 * hidden,
         aux_layers=[int(i) for i in config["aux_layers"]],
+        **mrope,
     )
     tensors = read_side_file(os.path.join(cache_dir, SIDE_FILE), ("embed_tokens", "lm_head", "d2t", "t2d"))
     draft = Eagle3Draft(shape, tensors["embed_tokens"], tensors["lm_head"], tensors["d2t"], tensors["t2d"])
@@ -149,6 +171,7 @@ def graded_loss(
     steps: int,
     step_decay: float = 1.0,
     supervise: str = "generated",
+    draft_inputs: str = DRAFT_INPUTS[0],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`draft_loss` and each training-time-test step's top-1 accuracy ``[steps]`` (detached): the share of
     the step's counted slots where the draft's argmax is the target distribution's."""
@@ -157,7 +180,8 @@ def graded_loss(
     view = draft_view(batch, head)
     slots = torch.arange(view["mask"].shape[1], device=view["mask"].device)
     losses, accuracy = [], []
-    for a, states in enumerate(draft.states(view["hidden"].float(), view["input_ids"], steps)):
+    embeds, positions = slot_inputs(draft, view, draft_inputs)
+    for a, states in enumerate(draft.states(view["hidden"].float(), view["input_ids"], steps, positions, embeds)):
         mask = view["mask"] & (slots >= a)
         # the head runs on the counted slots only: prompts and padding (a quarter to a half of chat data) are not
         logits = draft.logits(states[mask])
@@ -178,14 +202,16 @@ def draft_loss(
     steps: int,
     step_decay: float = 1.0,
     supervise: str = "generated",
+    draft_inputs: str = DRAFT_INPUTS[0],
 ) -> torch.Tensor:
     """Soft cross-entropy of the draft's ``steps`` training-time-test steps against the target, on the aligned mask.
 
     Step ``a`` counts the slots ``j >= a`` whose ``mask`` is set; the result is the mean over the steps of each
     step's mean over its counted slots, step ``a`` weighted by ``step_decay ** a``. With ``supervise="all"`` the
-    mask counts every real row (``attention_mask``) instead of the generated ones (``loss_mask``).
+    mask counts every real row (``attention_mask``) instead of the generated ones (``loss_mask``). ``draft_inputs``
+    is what the draft reads at each slot (:mod:`speccache.train.inputs`).
     """
-    return graded_loss(draft, batch, head, steps, step_decay, supervise)[0]
+    return graded_loss(draft, batch, head, steps, step_decay, supervise, draft_inputs)[0]
 
 
 @dataclass
@@ -210,6 +236,7 @@ def train_steps(
     step_decay: float = 1.0,
     supervise: str = "generated",
     compute_dtype: torch.dtype = torch.float32,
+    draft_inputs: str = DRAFT_INPUTS[0],
 ) -> list[float]:
     """One optimizer step per batch (then one ``scheduler`` step); returns the losses (``on_step(i, record)`` after
     each, with its :class:`StepRecord`). A ``compute_dtype`` other than fp32 runs the forward under autocast (the
@@ -219,7 +246,7 @@ def train_steps(
     losses = []
     for i, batch in enumerate(batches):
         with torch.autocast(device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
-            loss, accuracy = graded_loss(draft, batch, head, steps, step_decay, supervise)
+            loss, accuracy = graded_loss(draft, batch, head, steps, step_decay, supervise, draft_inputs)
         lr = optimizer.param_groups[0]["lr"]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -272,6 +299,7 @@ def train(
     supervise: str = "generated",
     intermediate_size: int | None = None,
     compute_dtype: str = "fp32",
+    draft_inputs: str = DRAFT_INPUTS[0],
     device: str | None = None,
     follow: Follow | None = None,
     log: Callable[[str], None] | None = None,
@@ -285,7 +313,8 @@ def train(
     the weight ratio of consecutive training-time-test steps in the loss, ``supervise`` which rows the loss grades
     (``generated``: the loss mask's; ``all``: every row), ``intermediate_size`` the draft's MLP width (default
     twice the hidden size), ``compute_dtype`` the forward's (``fp32``, or ``bf16`` under autocast: 1.6x faster on
-    a CPU with bf16 instructions, docs/training.md), ``device`` where to train (see
+    a CPU with bf16 instructions, docs/training.md), ``draft_inputs`` what the draft reads at each slot
+    (``served``, ``merged`` or ``tokens``: :mod:`speccache.train.inputs`), ``device`` where to train (see
     :func:`speccache.devices.target_device`). ``follow`` trains while the cache is written: one pass over each
     shard as it is sealed (``follow.replay`` passes within its window), in batches of consecutive samples of the
     shuffled passes, ending once the producer has sealed the cache; the schedule spans the samples the cache
@@ -296,9 +325,9 @@ def train(
         CacheCorruptError: a tensor read from a shard differs from its checksum (names the shard and the tensor).
         FileExistsError: ``out`` already holds a draft (checked before training).
         ValueError: a non-positive ``epochs``, ``batch_size``, ``ttt_steps``, ``lr``, ``max_steps``,
-            ``step_decay`` or ``intermediate_size``, a ``warmup`` outside [0, 1), an unknown ``supervise`` or
-            ``compute_dtype``, or an unusable ``device``; ``epochs`` other than 1 with ``follow`` (its
-            ``replay`` gives the repeats).
+            ``step_decay`` or ``intermediate_size``, a ``warmup`` outside [0, 1), an unknown ``supervise``,
+            ``compute_dtype`` or ``draft_inputs`` (or ``merged`` without image embeddings), or an unusable
+            ``device``; ``epochs`` other than 1 with ``follow`` (its ``replay`` gives the repeats).
         FollowTimeoutError: with ``follow``, the producer wrote no shard within ``follow.timeout``.
     """
     counts = {"--epochs": epochs, "--batch-size": batch_size, "--ttt-steps": ttt_steps, "--max-steps": max_steps}
@@ -316,6 +345,7 @@ def train(
     if not 0 <= warmup < 1:
         raise UsageError(f"--warmup {warmup} must be a share of the steps in [0, 1)")
     compute_dtype = dtype_name(compute_dtype, "--compute-dtype", COMPUTE_DTYPES)
+    check_draft_inputs(draft_inputs)  # the cache's side of it once its manifest is there (draft_for_cache)
     if follow is not None and epochs != 1:
         raise UsageError(f"--epochs {epochs} with --follow: a stream is read once; --replay K reads each shard K times")
     where = target_device(device)
@@ -331,7 +361,7 @@ def train(
         loader = build_eagle3_dataloader(
             cache_dir, batch_size=batch_size, shuffle=False, sampler=sampler, verify=verify
         )
-    draft, head = draft_for_cache(cache_dir, intermediate_size)
+    draft, head = draft_for_cache(cache_dir, intermediate_size, draft_inputs)
     draft, head = draft.to(where), head.to(where)
     optimizer = make_optimizer(draft, lr)
     total = epochs * len(loader) if max_steps is None else min(max_steps, epochs * len(loader))
@@ -365,7 +395,17 @@ def train(
             )
             on_step = functools.partial(report, epoch=epoch)
             losses += train_steps(
-                draft, batches, head, optimizer, ttt_steps, on_step, scheduler, step_decay, supervise, dtype
+                draft,
+                batches,
+                head,
+                optimizer,
+                ttt_steps,
+                on_step,
+                scheduler,
+                step_decay,
+                supervise,
+                dtype,
+                draft_inputs,
             )
     if follow is not None:
         assert isinstance(loader, FollowLoader)  # what build_eagle3_dataloader returns with follow=
@@ -381,6 +421,7 @@ def train(
         "step_decay": step_decay,
         "supervise": supervise,
         "compute_dtype": compute_dtype,
+        "draft_inputs": draft_inputs,
         "schedule": "cosine",
     }
     extra = {
