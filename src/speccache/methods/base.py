@@ -142,6 +142,7 @@ class MethodSettings(Protocol):
     draft_vocab_from: str | None
     supervision: str
     encodings: dict[str, str]
+    no_vision_inputs: bool
 
 
 class Method(Protocol):

@@ -39,6 +39,7 @@ from speccache.methods.base import (
     text_config,
 )
 from speccache.methods.decoder import (
+    IMAGE_EMBEDS,
     IMAGE_INPUTS,
     POSITIONS,
     Capture,
@@ -93,6 +94,7 @@ def eagle3_schema(
     full_vocab: bool,
     encodings: Mapping[str, str] | None = None,
     positions: bool = False,
+    image_embeds: bool = False,
 ) -> Schema:
     """The key schema of an EAGLE-3 cache.
 
@@ -104,6 +106,8 @@ def eagle3_schema(
         full_vocab: whether the draft vocabulary is the whole target vocabulary (then no ``in_draft`` key).
         encodings: key -> encoding for float features (default ``raw``).
         positions: store the target's own 3-D positions of each token (``positions``, an M-RoPE target's).
+        image_embeds: store a vision-language target's merged input embeddings at its image tokens
+            (``image_embeds``, ``[T, H]`` in ``dtype``, zero elsewhere, encoded ``sparse``: only image rows take space).
 
     Raises:
         ValueError: an encoding names a key that is not a float feature of this schema, or cannot store ``dtype``.
@@ -131,6 +135,8 @@ def eagle3_schema(
         specs.append(KeySpec("in_draft", torch.bool, (), ragged=True))
     if positions:
         specs.append(KeySpec(POSITIONS, torch.int32, (3,), ragged=True))
+    if image_embeds:
+        specs.append(KeySpec(IMAGE_EMBEDS, dtype, (hidden_size,), ragged=True, encoding="sparse"))
     specs.append(source_row_spec())
     return {s.name: s for s in specs}
 
@@ -211,6 +217,8 @@ class Eagle3Target:
         dtype: storage dtype of float features.
         nonfinite: ``fail`` or ``skip`` samples whose features are NaN/Inf (see :mod:`speccache.methods.finite`).
         capture: the forward that captures the layers (default: ``model``'s own, :func:`forward_capturing`).
+        vision_inputs: keep a vision-language target's :data:`IMAGE_EMBEDS` and M-RoPE ``positions`` (``False``:
+            ``--no-vision-inputs``, a draft trained text-only).
 
     Raises:
         ValueError: bad aux layers or ``nonfinite`` mode.
@@ -225,7 +233,9 @@ class Eagle3Target:
         dtype: torch.dtype,
         nonfinite: str = "fail",
         capture: Capture | None = None,
+        vision_inputs: bool = True,
     ) -> None:
+        self.vision_inputs = vision_inputs
         self.nonfinite = check_nonfinite_mode(nonfinite)
         self.model = model.eval()
         self.capture: Capture = capture or functools.partial(forward_capturing, self.model)
@@ -248,7 +258,8 @@ class Eagle3Target:
         image_inputs: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Padded features ``[B, T, ...]`` of one batch, in the model's dtype: aux, last hidden, logits-derived
-        (and an M-RoPE target's ``positions``, int32)."""
+        (and, unless ``vision_inputs`` is off, a vision-language target's ``image_embeds`` and an M-RoPE target's
+        ``positions``, int32)."""
         outputs: dict[Hashable, int] = {i: i for i in self.aux_layers}
         if image_inputs is None:  # a text-only target's engine takes four arguments (Capture)
             last, captured = self.capture(input_ids, attention_mask, outputs, None)
@@ -258,8 +269,11 @@ class Eagle3Target:
             "aux_hidden_states": torch.cat([captured[i] for i in self.aux_layers], dim=-1),
             "last_hidden_state": last,
         }
-        if POSITIONS in captured:
-            feats[POSITIONS] = captured[POSITIONS].to(torch.int32)
+        if self.vision_inputs:
+            if POSITIONS in captured:
+                feats[POSITIONS] = captured[POSITIONS].to(torch.int32)
+            if IMAGE_EMBEDS in captured:
+                feats[IMAGE_EMBEDS] = captured[IMAGE_EMBEDS]
         if has_logits(self.supervision, self.full_vocab):
             # The head's fp32 logits are [B, T, V]: a long sample's (128K tokens of a 128K vocabulary: 64 GiB) are
             # computed in runs of rows, each row's features alone, so that at most HEAD_VALUES of them are held.
@@ -297,6 +311,8 @@ class Eagle3Target:
             return f"decoder layer {self.aux_layers[column // width]} (aux layer {column // width} of 3)"
         if key == "last_hidden_state":
             return f"the final norm after decoder layer {len(self.layers) - 1}"
+        if key == IMAGE_EMBEDS:
+            return "the merged input embeddings (the image features the vision tower computed)"
         return "the LM head (softmax of the logits)"
 
     def compute_batch(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -401,6 +417,7 @@ class Eagle3Settings:
     draft_vocab_size: int
     borrowed: torch.Tensor | None  # --draft-vocab-from's selected_token_ids
     tied: bool  # the target's config ties its LM head to its embedding
+    vision_inputs: bool  # a vision-language target's image_embeds and positions are stored
 
 
 class Eagle3Method:
@@ -415,7 +432,8 @@ class Eagle3Method:
     }
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        """``--aux-layers``, ``--draft-vocab-size``, ``--draft-vocab-from`` and ``--supervision``."""
+        """``--aux-layers``, ``--draft-vocab-size``, ``--draft-vocab-from``, ``--supervision`` and
+        ``--no-vision-inputs``."""
         p.add_argument("--aux-layers", help="three decoder layer ids, e.g. 1,15,28 (default [1, L//2-1, L-4])")
         p.add_argument("--draft-vocab-size", type=int, help="draft vocabulary size (default: the target's)")
         p.add_argument(
@@ -425,6 +443,11 @@ class Eagle3Method:
             "data's tokens (a held-out cache that does not leak into the training cache's vocabulary)",
         )
         p.add_argument("--supervision", help="hidden (default), probs, or topk:K")
+        p.add_argument(
+            "--no-vision-inputs",
+            action="store_true",
+            help="eagle3, vision-language target: leave out image_embeds and positions (for a draft trained text-only)",
+        )
 
     def check_flags(self, cfg: MethodSettings) -> None:
         """``--supervision`` must parse; the layer methods' flags are refused."""
@@ -467,15 +490,31 @@ class Eagle3Method:
                 "cache": os.path.abspath(borrow_from),
                 "selected_token_ids_xxh3_128": tensor_checksum(borrowed),
             }
+        vision = is_vision_language(model_config)
+        if cfg.no_vision_inputs:
+            if not vision:
+                raise UsageError(
+                    f"--no-vision-inputs: {cfg.model} is a text-only target, whose cache has no vision inputs to "
+                    "leave out; drop the flag"
+                )
+            config["vision_inputs"] = False  # recorded only when set: a resume compares it
+        vision_inputs = vision and not cfg.no_vision_inputs
         tied = ties_embeddings(model_config)
         return MethodPlan(
             schema=eagle3_schema(
-                hidden, dtype, supervision, draft, draft == vocab, cfg.encodings, positions=is_mrope(model_config)
+                hidden,
+                dtype,
+                supervision,
+                draft,
+                draft == vocab,
+                cfg.encodings,
+                positions=vision_inputs and is_mrope(model_config),
+                image_embeds=vision_inputs,
             ),
             config=config,
             request=CaptureRequest(layers=tuple(aux)),
             draft_vocab_size=draft,
-            settings=Eagle3Settings(aux, supervision, vocab, draft, borrowed, tied),
+            settings=Eagle3Settings(aux, supervision, vocab, draft, borrowed, tied, vision_inputs),
             side_metadata=side_metadata(tied),
         )
 
@@ -505,7 +544,9 @@ class Eagle3Method:
     ) -> Eagle3Target:
         """An :class:`Eagle3Target` over ``capture``, supervising over the draft vocabulary ``prepared``."""
         s: Eagle3Settings = plan.settings
-        return Eagle3Target(loaded.model, s.aux_layers, s.supervision, prepared, dtype, nonfinite, capture)
+        return Eagle3Target(
+            loaded.model, s.aux_layers, s.supervision, prepared, dtype, nonfinite, capture, s.vision_inputs
+        )
 
     def side_tensors(self, plan: MethodPlan, loaded: LoadedTarget, prepared: torch.Tensor) -> dict[str, torch.Tensor]:
         """``embed_tokens``, the draft rows of ``lm_head`` (left out for a tied target) and the vocabulary
