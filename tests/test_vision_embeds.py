@@ -179,7 +179,7 @@ def test_no_vision_inputs_leaves_out_both_keys_and_a_resume_must_keep_it(caches,
     shutil.rmtree(out)
 
 
-def test_no_vision_inputs_is_refused_for_a_text_target(offline_single_thread, tmp_path, capsys):
+def test_no_vision_inputs_is_refused_for_a_text_target_and_the_layer_methods(offline_single_thread, tmp_path, capsys):
     rows = tmp_path / "text.jsonl"
     rows.write_text(
         json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}) + "\n"
@@ -188,3 +188,5 @@ def test_no_vision_inputs_is_refused_for_a_text_target(offline_single_thread, tm
     assert main(["estimate", *argv]) == 2
     err = capsys.readouterr().err
     assert "--no-vision-inputs" in err and "text-only target" in err
+    assert main(["estimate", *argv, "--method", "layers", "--layers", "1"]) == 2
+    assert "--no-vision-inputs is for --method eagle3" in capsys.readouterr().err

@@ -286,8 +286,8 @@ class LayersMethod:
         )
 
     def check_flags(self, cfg: MethodSettings) -> None:
-        """EAGLE-3's ``--supervision`` (other than hidden), ``--aux-layers``, ``--draft-vocab-size`` and
-        ``--draft-vocab-from`` are refused."""
+        """EAGLE-3's ``--supervision`` (other than hidden), ``--aux-layers``, ``--draft-vocab-size``,
+        ``--draft-vocab-from`` and ``--no-vision-inputs`` are refused."""
         if Supervision.parse(cfg.supervision).mode != "hidden":
             raise UsageError(
                 f"--supervision {cfg.supervision} is for --method eagle3; --method {cfg.method} stores "
@@ -297,6 +297,11 @@ class LayersMethod:
             raise UsageError(
                 "--aux-layers and --draft-vocab-size are for --method eagle3, as is --draft-vocab-from; --method "
                 f"{cfg.method} takes --layers (the EAGLE-3 reader of a layers cache picks its aux layers from them)"
+            )
+        if cfg.no_vision_inputs:
+            raise UsageError(
+                f"--no-vision-inputs is for --method eagle3; --method {cfg.method} stores no vision inputs (it runs "
+                "text-only targets)"
             )
 
     def plan(self, cfg: MethodSettings, model_config: Any, dtype: torch.dtype) -> MethodPlan:
