@@ -171,7 +171,7 @@ def forward_capturing(
 
     Returns:
         ``(last_hidden_state, captured)``: the decoder's output after its final norm, and the captured tensors
-        (with an M-RoPE target's :data:`POSITIONS`).
+        (with a vision-language target's :data:`IMAGE_EMBEDS` and an M-RoPE target's :data:`POSITIONS`).
     """
     if image_inputs is not None:
         return _vision_forward(model, input_ids, attention_mask, outputs, input_of_first, image_inputs)

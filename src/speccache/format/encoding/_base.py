@@ -33,14 +33,9 @@ class PartLayout:
     trailing: tuple[int, ...] = ()
     length: str = "rows"
 
-    @property
-    def data_dependent(self) -> bool:
-        """Whether the part's first dimension depends on the values, not only on the shard's counts."""
-        return self.length in ("bytes", "stored")
-
     def shape(self, num_rows: int, num_samples: int, data_length: int = 0) -> tuple[int, ...]:
         """The part's shape in a shard of ``num_samples`` samples and ``num_rows`` rows of the key; ``data_length``
-        is the first dimension of a :attr:`data_dependent` part."""
+        is the first dimension of a part whose length depends on the values (``"bytes"``, ``"stored"``)."""
         first = {"rows": num_rows, "samples+1": num_samples + 1, "bytes": data_length, "stored": data_length}[
             self.length
         ]
