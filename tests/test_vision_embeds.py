@@ -1,6 +1,6 @@
 """A vision-language target's cached vision inputs (docs/vision.md, docs/format.md §7d): ``image_embeds`` are the
 merged input embeddings its language model receives, at image tokens, zero elsewhere, stored sparse; for the four
-tiny families they equal a live forward's. ``--no-vision-inputs`` leaves them and ``positions`` out; ``estimate``
+tiny families they equal a live forward's and the model's own ``get_image_features``. ``--no-vision-inputs`` leaves them and ``positions`` out; ``estimate``
 predicts their bytes as ``precompute`` writes them, and ``inspect`` shows their share."""
 
 from __future__ import annotations
@@ -69,9 +69,10 @@ def caches(offline_single_thread, data, tmp_path_factory) -> dict[str, tuple[str
     return out
 
 
-def _merged_embeddings(model_dir: str, data: Path, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _merged_embeddings(model_dir: str, data: Path, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Row ``index``'s ids, the ``inputs_embeds`` the target's language model receives in a live forward of the
-    whole ``ForConditionalGeneration`` on the processor's own outputs, and the model's image token id."""
+    whole ``ForConditionalGeneration`` on the processor's own outputs, its images' features as the model's own
+    ``get_image_features`` computes them (one row per image token, in order), and the model's image token id."""
     from PIL import Image
     from transformers import AutoModelForImageTextToText
 
@@ -97,9 +98,13 @@ def _merged_embeddings(model_dir: str, data: Path, index: int) -> tuple[torch.Te
     try:
         with torch.no_grad():
             model(**inputs)
+            pixels = {k: v for k, v in inputs.items() if k in ("pixel_values", "image_grid_thw")}
+            features = model.model.get_image_features(**pixels).pooler_output if images else []
     finally:
         hook.remove()
-    return inputs["input_ids"][0], seen["embeds"], int(model.config.image_token_id)
+    hidden = seen["embeds"].shape[-1]
+    rows = torch.cat([f.reshape(-1, hidden) for f in features]) if images else torch.zeros(0, hidden)
+    return inputs["input_ids"][0], seen["embeds"], rows, int(model.config.image_token_id)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -111,12 +116,13 @@ def test_image_embeds_are_the_merged_input_embeddings_at_image_tokens(family, ca
         "dtype": "float32", "shape": [hidden], "ragged": True, "encoding": "sparse"
     }  # fmt: skip
     for index, sample in enumerate(all_samples(cache)):
-        ids, merged, token = _merged_embeddings(model_dir, data, index)
+        ids, merged, features, token = _merged_embeddings(model_dir, data, index)
         assert manifest["config"]["vision"]["image_token_id"] == token
         assert torch.equal(sample["input_ids"].long(), ids)
         image = ids == token
         assert bool(image.any()) == bool(ROWS[index][0])
         torch.testing.assert_close(sample["image_embeds"][image], merged[image], atol=1e-5, rtol=0)
+        torch.testing.assert_close(sample["image_embeds"][image], features, atol=1e-5, rtol=0)
         assert sample["image_embeds"][image].abs().amax(dim=1).gt(0).all()
         assert torch.equal(sample["image_embeds"][~image], torch.zeros(int((~image).sum()), hidden))
 
