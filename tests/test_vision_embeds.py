@@ -1,7 +1,8 @@
 """A vision-language target's cached vision inputs (docs/vision.md, docs/format.md §7d): ``image_embeds`` are the
 merged input embeddings its language model receives, at image tokens, zero elsewhere, stored sparse; for the four
-tiny families they equal a live forward's and the model's own ``get_image_features``. ``--no-vision-inputs`` leaves them and ``positions`` out; ``estimate``
-predicts their bytes as ``precompute`` writes them, and ``inspect`` shows their share."""
+tiny families they equal a live forward's and the model's own ``get_image_features``. ``--no-vision-inputs``
+leaves them and ``positions`` out; ``estimate`` predicts their bytes as ``precompute`` writes them, and ``inspect``
+shows their share."""
 
 from __future__ import annotations
 
