@@ -22,6 +22,7 @@ import shutil
 import struct
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
@@ -31,6 +32,7 @@ import zstandard
 from transformers import GPT2Config, LlamaConfig
 
 import speccache.errors as errors_module
+from speccache.compat._base import refuse_vision
 from speccache.data import chat_format
 from speccache.data.regenerated import REGENERATE_FORMAT, REGENERATE_NAME, read_progress
 from speccache.demo.real_target import build_real_model_dir, real_target_gguf
@@ -43,6 +45,7 @@ from speccache.format.lock import LOCK_NAME
 from speccache.format.names import check_shard_size
 from speccache.format.shard import verify_tensor_checksums
 from speccache.format.view import View, source_record
+from speccache.methods.base import vision_inputs
 from speccache.methods.eagle3 import read_side_file
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
 from speccache.methods.layers_producer import LayerSelection, preset_selection
@@ -65,6 +68,7 @@ from speccache.read.source import open_source
 from speccache.read.verify import VerifyReport, inspect_cache, verify_cache
 from speccache.read.view import make_merge_view, parse_where
 from speccache.testing.synthetic import write_synthetic_cache
+from speccache.train.inputs import check_draft_inputs
 from speccache.units import parse_bytes
 from speccache.write import LocalComm, NativeShardWriter, OverlappedShardWriter, data_parallel_groups
 
@@ -542,6 +546,14 @@ TRIGGERS: dict[str, T] = {
     "hold different side files": _view_of_two_side_files,
     "a view needs sealed caches":
         lambda e: make_merge_view([e.edit_manifest(e.cache(), lambda m: m.update(complete=False))], str(e.tmp / "v")),
+    # vision-language targets
+    "has no path for image rows": lambda e: refuse_vision(str(e.tmp), {"vision": {}}, "specforge", "none"),
+    "is a text-only target, whose cache has no vision inputs": lambda e: vision_inputs(
+        SimpleNamespace(no_vision_inputs=True, model=str(e.tmp)), SimpleNamespace(), {}
+    ),
+    "holds no image_embeds (and the image token id) to merge": lambda e: check_draft_inputs(
+        "merged", open_source(e.edit_manifest(e.cache(), lambda m: m["config"].update(vision={})))
+    ),
     # layer methods
     "must be distinct increasing layer ids in": lambda e: LayerSelection((3, 1), 8),
     "stores nothing: give --layers": lambda e: LayerSelection((), 8),

@@ -348,12 +348,14 @@ def test_the_plan_records_what_makes_the_pixels(targets, images, tmp_path):
     cfg = PrecomputeConfig(
         model=path, data=data, out="", method="layers", layers=[1], image_root=str(images), max_pixels=50000
     )
-    assert make_plan(cfg).manifest_config["vision"] == {
+    plan = make_plan(cfg)
+    assert plan.manifest_config["vision"] == {
         "processor": "Qwen2_5_VLProcessor",
         "image_processor": "Qwen2VLImageProcessorPil",
         "backend": "pil",
         "size": {"shortest_edge": 3136, "longest_edge": 50000},
         "image_root": str(images),
+        "image_token_id": plan.model_config.image_token_id,  # the model's, which finds its image tokens
     }
     text_only = PrecomputeConfig(model=ensure_real_target(), data=data, out="", method="layers", layers=[1])
     assert "vision" not in make_plan(text_only).manifest_config

@@ -7,29 +7,24 @@ trains end to end and saves what vLLM needs to build an M-RoPE draft; on a text 
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
-from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForImageTextToText, DynamicCache
 
 from speccache.cli import main
 from speccache.demo import demo_data_path
 from speccache.demo.real_target import ensure_real_target
 from speccache.errors import UsageError
-from speccache.format import FORMAT_VERSION, LENGTHS_KEY, KeySpec
-from speccache.methods.eagle3 import SIDE_FILE, Eagle3CacheDataset, TargetHead, build_eagle3_dataloader, draft_view
+from speccache.format import FORMAT_VERSION
+from speccache.methods.eagle3 import Eagle3CacheDataset, TargetHead, build_eagle3_dataloader, draft_view
 from speccache.offline_cache import CachedTensorDataset
-from speccache.read.source import open_source
 from speccache.testing.vlm import draw_image, ensure_vlm_target
 from speccache.train.draft import DraftConfig, Eagle3Draft, load_draft
 from speccache.train.trainer import draft_for_cache, make_optimizer, train_steps
-from speccache.write import CacheWriter, SideFile, compute_shard_runs
 from support.cachecmp import all_samples
 
 pytestmark = pytest.mark.usefixtures("offline_single_thread")
@@ -77,46 +72,21 @@ def caches(data, tmp_path_factory) -> dict[str, tuple[str, str]]:
     return out
 
 
-def _with_image_embeds(cache: str, out: str, image_token_id: int) -> str:
-    """``cache`` rewritten with an ``image_embeds`` key (distinct seeded rows at image tokens, zero elsewhere) and
-    the manifest's ``vision.image_token_id``: the keys a cache of merged image embeddings holds."""
-    manifest = open_source(cache).manifest
-    samples = all_samples(cache)
-    hidden = int(manifest.config["hidden_size"])
-    generator = torch.Generator().manual_seed(5)
-    for sample in samples:
-        embeds = torch.zeros(sample["input_ids"].shape[0], hidden)
-        at = sample["input_ids"] == image_token_id
-        embeds[at] = torch.randn(int(at.sum()), hidden, generator=generator)
-        sample["image_embeds"] = embeds
-    schema = {**manifest.schema, "image_embeds": KeySpec("image_embeds", torch.float32, (hidden,), ragged=True)}
-    config = {**manifest.config, "vision": {**manifest.config["vision"], "image_token_id": image_token_id}}
-    ragged = [k for k, s in schema.items() if s.ragged]
-
-    def compute(indices: list[int]) -> dict[str, torch.Tensor]:
-        rows = [samples[i] for i in indices]
-        batch = {
-            k: torch.cat([r[k] for r in rows]) if k in ragged else torch.stack([r[k] for r in rows]) for k in schema
-        }
-        return {**batch, LENGTHS_KEY: torch.tensor([r["input_ids"].shape[0] for r in rows])}
-
-    side = os.path.join(cache, SIDE_FILE)
-    with safe_open(side, "pt") as f:
-        metadata = f.metadata() or {}
-    writer = CacheWriter(out, cache_name="eagle3", schema=schema, shard_size=2, num_samples=len(samples), config=config)
-    loader = DataLoader(range(len(samples)), batch_size=2, collate_fn=list)
-    with writer.writing(side_files=(SideFile(SIDE_FILE, lambda: load_file(side), metadata),)) as run:
-        compute_shard_runs(
-            loader, out, 2, run.shards, compute, run.write_shard, logging.getLogger(__name__), ragged_keys=ragged
-        )
-    return out
+@pytest.fixture(scope="module")
+def embeds_cache(caches) -> tuple[str, int]:
+    """The Qwen2.5-VL cache (it holds image_embeds) and its model's image token id."""
+    model, cache = caches["qwen2_5_vl"]
+    return cache, int(AutoConfig.from_pretrained(model).image_token_id)
 
 
 @pytest.fixture(scope="module")
-def embeds_cache(caches, tmp_path_factory) -> tuple[str, int]:
-    model, cache = caches["qwen2_5_vl"]
-    image_token_id = int(AutoConfig.from_pretrained(model).image_token_id)
-    return _with_image_embeds(cache, str(tmp_path_factory.mktemp("embeds") / "cache"), image_token_id), image_token_id
+def text_only_cache(caches, data, tmp_path_factory) -> str:
+    """The same rows for the Qwen2.5-VL target with --no-vision-inputs: no image_embeds, no positions."""
+    model, _ = caches["qwen2_5_vl"]
+    cache = str(tmp_path_factory.mktemp("text-only") / "cache")
+    argv = ["precompute", "--model", model, "--data", str(data / "data.jsonl"), "--out", cache, *FLAGS]
+    assert main([*argv, "--no-vision-inputs"]) == 0
+    return cache
 
 
 @pytest.mark.parametrize("family", MROPE)
@@ -125,7 +95,7 @@ def test_a_padded_batch_hands_each_slot_its_state_position(family, caches):
     samples = all_samples(cache)
     batch = next(iter(build_eagle3_dataloader(cache, batch_size=len(samples), shuffle=False)))
     view = draft_view(batch, TargetHead.from_cache(cache))
-    assert "image_mask" not in view  # this cache records no image token id: nothing to derive it from
+    assert "image_mask" in view and "image_embeds" in view
     for b, sample in enumerate(samples):
         n = sample["input_ids"].shape[0]
         assert torch.equal(view["positions"][b, : n - 1], sample["positions"][: n - 1])  # slot j: positions[j]
@@ -277,7 +247,7 @@ def test_train_served_and_tokens_end_to_end(family, caches, tmp_path):
         assert all(torch.equal(saved[k], v) for k, v in draft.state_dict().items())
 
 
-def test_train_merged_reads_the_image_embeds(embeds_cache, caches, tmp_path, capsys):
+def test_train_merged_reads_the_image_embeds(embeds_cache, text_only_cache, tmp_path, capsys):
     cache, _ = embeds_cache
     out = str(tmp_path / "merged")
     assert main(["train", cache, "--out", out, "--draft-inputs", "merged", *TRAIN]) == 0
@@ -290,11 +260,11 @@ def test_train_merged_reads_the_image_embeds(embeds_cache, caches, tmp_path, cap
         losses[mode] = train_steps(draft, batches, head, make_optimizer(draft, 1e-3), 2, draft_inputs=mode)
     assert losses["merged"] != losses["served"]
     refused = str(tmp_path / "refused")
-    assert main(["train", caches["qwen2_5_vl"][1], "--out", refused, "--draft-inputs", "merged", *TRAIN]) == 2
+    assert main(["train", text_only_cache, "--out", refused, "--draft-inputs", "merged", *TRAIN]) == 2
     assert "holds no image_embeds" in capsys.readouterr().err
     assert not os.path.exists(os.path.join(refused, "config.json"))
     with pytest.raises(UsageError, match="use --draft-inputs served"):
-        draft_for_cache(caches["qwen2_5_vl"][1], draft_inputs="merged")
+        draft_for_cache(text_only_cache, draft_inputs="merged")
 
 
 def test_an_unknown_mode_is_refused(caches, tmp_path, capsys):

@@ -54,12 +54,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"{samples}: {gone} reclaimed after use, {here} here holding {info['num_tokens']} tokens")
     bpt = info["bytes_per_token"]
     print(f"size       {human_bytes(info['shard_bytes'])} in shards" + (f", {bpt:.1f} bytes per token" if bpt else ""))
-    print(f"{'key':<20} {'dtype':<14} {'shape':<10} {'ragged':<7} {'encoding':<9} {'bytes':>12} {'B/token':>9}")
+    print(
+        f"{'key':<20} {'dtype':<14} {'shape':<10} {'ragged':<7} {'encoding':<9} {'bytes':>12} {'B/token':>9} "
+        f"{'share':>7}"
+    )
     for name, k in info["keys"].items():
         per = f"{k['bytes_per_token']:.1f}" if k["bytes_per_token"] is not None else "-"
+        share = f"{k['share']:.1%}" if k["share"] is not None else "-"
         print(
             f"{name:<20} {k['dtype']:<14} {str(k['shape']):<10} {str(k['ragged']):<7} {k['encoding']:<9} "
-            f"{human_bytes(k['bytes']):>12} {per:>9}"
+            f"{human_bytes(k['bytes']):>12} {per:>9} {share:>7}"
         )
     for name, size in (info["side_file_bytes"] or {}).items():
         print(f"side file  {name}: {human_bytes(size)}")

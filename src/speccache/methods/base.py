@@ -17,11 +17,13 @@ import xxhash
 from torch import nn
 
 from speccache.data import TokenizedSamples
+from speccache.errors import UsageError
 from speccache.format import Schema
-from speccache.methods.decoder import Capture
+from speccache.methods.decoder import Capture, is_vision_language
 from speccache.write import Comm
 
 __all__ = [
+    "vision_inputs",
     "CaptureRequest",
     "LoadedTarget",
     "Method",
@@ -142,6 +144,7 @@ class MethodSettings(Protocol):
     draft_vocab_from: str | None
     supervision: str
     encodings: dict[str, str]
+    no_vision_inputs: bool
 
 
 class Method(Protocol):
@@ -186,3 +189,22 @@ class Method(Protocol):
 
     def side_tensors(self, plan: MethodPlan, loaded: LoadedTarget, prepared: Any) -> dict[str, torch.Tensor]:
         """The tensors of its side file (called by the writing rank only)."""
+
+
+def vision_inputs(cfg: MethodSettings, model_config: Any, config: dict[str, Any]) -> bool:
+    """Whether a method stores a vision-language target's vision inputs (``image_embeds``, an M-RoPE target's
+    ``positions``): yes, unless ``--no-vision-inputs``, which is recorded in the manifest's ``config`` (only when
+    set, so that a resume compares it).
+
+    Raises:
+        UsageError: ``--no-vision-inputs`` for a text-only target.
+    """
+    vision = is_vision_language(model_config)
+    if cfg.no_vision_inputs:
+        if not vision:
+            raise UsageError(
+                f"--no-vision-inputs: {cfg.model} is a text-only target, whose cache has no vision inputs to "
+                "leave out; drop the flag"
+            )
+        config["vision_inputs"] = False
+    return vision and not cfg.no_vision_inputs

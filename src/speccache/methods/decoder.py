@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "IMAGE_EMBEDS",
     "IMAGE_INPUTS",
     "POSITIONS",
     "Capture",
@@ -28,6 +29,7 @@ __all__ = [
     "forward_capturing",
     "is_mrope",
     "is_vision_language",
+    "model_image_token_id",
 ]
 
 
@@ -96,6 +98,25 @@ def capture_batch(
     if image_inputs is None:
         return capture(input_ids, attention_mask, outputs, input_of_first)
     return capture(input_ids, attention_mask, outputs, input_of_first, image_inputs)
+
+
+IMAGE_EMBEDS = "image_embeds"
+"""The capture key of a vision-language target's merged input embeddings at its image tokens, ``[B, T, H]``: what
+its language model receives as ``inputs_embeds`` (the image features scattered in), zero at every other token."""
+
+
+def model_image_token_id(model_config: Any) -> int:
+    """The id of the token the target's model replaces by image features (its config's ``image_token_id``; LLaVA and
+    Gemma 3 name it ``image_token_index``).
+
+    Raises:
+        ValueError: the config names none.
+    """
+    for name in ("image_token_id", "image_token_index"):
+        token = getattr(model_config, name, None)
+        if token is not None:
+            return int(token)
+    raise ValueError(f"{type(model_config).__name__} names no image token (image_token_id or image_token_index)")
 
 
 def is_vision_language(model_config: Any) -> bool:
@@ -176,7 +197,7 @@ def forward_capturing(
 
     Returns:
         ``(last_hidden_state, captured)``: the decoder's output after its final norm, and the captured tensors
-        (with an M-RoPE target's :data:`POSITIONS`).
+        (with a vision-language target's :data:`IMAGE_EMBEDS` and an M-RoPE target's :data:`POSITIONS`).
     """
     if image_inputs is not None:
         return _vision_forward(model, input_ids, attention_mask, outputs, input_of_first, image_inputs)
@@ -242,7 +263,8 @@ def _vision_forward(
     Layer ``i``'s output is captured as the next module reads it (layer ``i + 1``'s input, or the final norm's):
     Qwen3-VL adds its deepstack image features to the residual stream after a layer's forward, and vLLM's EAGLE-3
     capture, like the next layer, sees the sum. An M-RoPE target's positions come from the model's own
-    ``get_rope_index`` and are passed explicitly (never its cached ``rope_deltas``).
+    ``get_rope_index`` and are passed explicitly (never its cached ``rope_deltas``). :data:`IMAGE_EMBEDS` are
+    the ``inputs_embeds`` the base's ``language_model`` is called with, kept at the model's image tokens.
     """
     layers, norm = decoder_layers(model), final_norm(model)
     captured: dict[Hashable, torch.Tensor] = {}
@@ -259,9 +281,17 @@ def _vision_forward(
     ]
     if input_of_first is not None:
         handles.append(layers[0].register_forward_pre_hook(before(input_of_first), with_kwargs=True))
+    base: Any = model.model  # the ForConditionalGeneration's vision-language model
+    at_image = (input_ids == model_image_token_id(model.config)).unsqueeze(-1)
+
+    def merged(_module: nn.Module, _args: Any, kwargs: dict[str, Any]) -> None:
+        # What every family's language model receives, whatever it did to get there (Gemma 3 scales the text
+        # embeddings, not the image features): kept at the image tokens only, text rows being embed_tokens(ids).
+        captured[IMAGE_EMBEDS] = torch.where(at_image, kwargs["inputs_embeds"], 0.0)
+
+    handles.append(base.language_model.register_forward_pre_hook(merged, with_kwargs=True))
     dtype = next(model.parameters()).dtype
     inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in image_inputs.items()}
-    base: Any = model.model  # the ForConditionalGeneration's vision-language model
     try:
         if is_mrope(model.config):
             modality = inputs.pop("mm_token_type_ids", None)

@@ -37,8 +37,10 @@ from speccache.methods.base import (
     PrePass,
     model_config_hash,
     text_config,
+    vision_inputs,
 )
 from speccache.methods.decoder import (
+    IMAGE_EMBEDS,
     POSITIONS,
     Capture,
     batch_image_inputs,
@@ -93,6 +95,7 @@ def eagle3_schema(
     full_vocab: bool,
     encodings: Mapping[str, str] | None = None,
     positions: bool = False,
+    image_embeds: bool = False,
 ) -> Schema:
     """The key schema of an EAGLE-3 cache.
 
@@ -104,6 +107,8 @@ def eagle3_schema(
         full_vocab: whether the draft vocabulary is the whole target vocabulary (then no ``in_draft`` key).
         encodings: key -> encoding for float features (default ``raw``).
         positions: store the target's own 3-D positions of each token (``positions``, an M-RoPE target's).
+        image_embeds: store a vision-language target's merged input embeddings at its image tokens
+            (``image_embeds``, ``[T, H]`` in ``dtype``, zero elsewhere, encoded ``sparse``: only image rows take space).
 
     Raises:
         ValueError: an encoding names a key that is not a float feature of this schema, or cannot store ``dtype``.
@@ -131,6 +136,8 @@ def eagle3_schema(
         specs.append(KeySpec("in_draft", torch.bool, (), ragged=True))
     if positions:
         specs.append(KeySpec(POSITIONS, torch.int32, (3,), ragged=True))
+    if image_embeds:
+        specs.append(KeySpec(IMAGE_EMBEDS, dtype, (hidden_size,), ragged=True, encoding="sparse"))
     specs.append(source_row_spec())
     return {s.name: s for s in specs}
 
@@ -211,6 +218,8 @@ class Eagle3Target:
         dtype: storage dtype of float features.
         nonfinite: ``fail`` or ``skip`` samples whose features are NaN/Inf (see :mod:`speccache.methods.finite`).
         capture: the forward that captures the layers (default: ``model``'s own, :func:`forward_capturing`).
+        vision_inputs: keep a vision-language target's :data:`IMAGE_EMBEDS` and M-RoPE ``positions`` (``False``:
+            ``--no-vision-inputs``, a draft trained text-only).
 
     Raises:
         ValueError: bad aux layers or ``nonfinite`` mode.
@@ -225,7 +234,9 @@ class Eagle3Target:
         dtype: torch.dtype,
         nonfinite: str = "fail",
         capture: Capture | None = None,
+        vision_inputs: bool = True,
     ) -> None:
+        self.vision_inputs = vision_inputs
         self.nonfinite = check_nonfinite_mode(nonfinite)
         self.model = model.eval()
         self.capture: Capture = capture or functools.partial(forward_capturing, self.model)
@@ -247,15 +258,19 @@ class Eagle3Target:
         image_inputs: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Padded features ``[B, T, ...]`` of one batch, in the model's dtype: aux, last hidden, logits-derived
-        (and an M-RoPE target's ``positions``, int32)."""
+        (and, unless ``vision_inputs`` is off, a vision-language target's ``image_embeds`` and an M-RoPE target's
+        ``positions``, int32)."""
         outputs: dict[Hashable, int] = {i: i for i in self.aux_layers}
         last, captured = capture_batch(self.capture, input_ids, attention_mask, outputs, None, image_inputs)
         feats = {
             "aux_hidden_states": torch.cat([captured[i] for i in self.aux_layers], dim=-1),
             "last_hidden_state": last,
         }
-        if POSITIONS in captured:
-            feats[POSITIONS] = captured[POSITIONS].to(torch.int32)
+        if self.vision_inputs:
+            if POSITIONS in captured:
+                feats[POSITIONS] = captured[POSITIONS].to(torch.int32)
+            if IMAGE_EMBEDS in captured:
+                feats[IMAGE_EMBEDS] = captured[IMAGE_EMBEDS]
         if has_logits(self.supervision, self.full_vocab):
             # The head's fp32 logits are [B, T, V]: a long sample's (128K tokens of a 128K vocabulary: 64 GiB) are
             # computed in runs of rows, each row's features alone, so that at most HEAD_VALUES of them are held.
@@ -293,6 +308,8 @@ class Eagle3Target:
             return f"decoder layer {self.aux_layers[column // width]} (aux layer {column // width} of 3)"
         if key == "last_hidden_state":
             return f"the final norm after decoder layer {len(self.layers) - 1}"
+        if key == IMAGE_EMBEDS:
+            return "the merged input embeddings (the image features the vision tower computed)"
         return "the LM head (softmax of the logits)"
 
     def compute_batch(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -398,6 +415,7 @@ class Eagle3Settings:
     draft_vocab_size: int
     borrowed: torch.Tensor | None  # --draft-vocab-from's selected_token_ids
     tied: bool  # the target's config ties its LM head to its embedding
+    vision_inputs: bool  # a vision-language target's image_embeds and positions are stored
 
 
 class Eagle3Method:
@@ -463,15 +481,23 @@ class Eagle3Method:
                 "cache": os.path.abspath(borrow_from),
                 "selected_token_ids_xxh3_128": tensor_checksum(borrowed),
             }
+        stores_vision = vision_inputs(cfg, model_config, config)
         tied = ties_embeddings(model_config)
         return MethodPlan(
             schema=eagle3_schema(
-                hidden, dtype, supervision, draft, draft == vocab, cfg.encodings, positions=is_mrope(model_config)
+                hidden,
+                dtype,
+                supervision,
+                draft,
+                draft == vocab,
+                cfg.encodings,
+                positions=stores_vision and is_mrope(model_config),
+                image_embeds=stores_vision,
             ),
             config=config,
             request=CaptureRequest(layers=tuple(aux)),
             draft_vocab_size=draft,
-            settings=Eagle3Settings(aux, supervision, vocab, draft, borrowed, tied),
+            settings=Eagle3Settings(aux, supervision, vocab, draft, borrowed, tied, stores_vision),
             side_metadata=side_metadata(tied),
         )
 
@@ -501,7 +527,9 @@ class Eagle3Method:
     ) -> Eagle3Target:
         """An :class:`Eagle3Target` over ``capture``, supervising over the draft vocabulary ``prepared``."""
         s: Eagle3Settings = plan.settings
-        return Eagle3Target(loaded.model, s.aux_layers, s.supervision, prepared, dtype, nonfinite, capture)
+        return Eagle3Target(
+            loaded.model, s.aux_layers, s.supervision, prepared, dtype, nonfinite, capture, s.vision_inputs
+        )
 
     def side_tensors(self, plan: MethodPlan, loaded: LoadedTarget, prepared: torch.Tensor) -> dict[str, torch.Tensor]:
         """``embed_tokens``, the draft rows of ``lm_head`` (left out for a tied target) and the vocabulary

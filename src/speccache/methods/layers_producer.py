@@ -25,6 +25,7 @@ from speccache.methods.base import (
     MethodSettings,
     PrePass,
     text_config,
+    vision_inputs,
 )
 from speccache.methods.decoder import (
     POSITIONS,
@@ -315,7 +316,7 @@ class LayersMethod:
         )
 
     def check_flags(self, cfg: MethodSettings) -> None:
-        """EAGLE-3's ``--supervision`` (other than hidden), ``--aux-layers``, ``--draft-vocab-size`` and
+        """EAGLE-3's ``--supervision`` (other than hidden), ``--aux-layers``, ``--draft-vocab-size``,
         ``--draft-vocab-from`` are refused."""
         if Supervision.parse(cfg.supervision).mode != "hidden":
             raise UsageError(
@@ -338,9 +339,11 @@ class LayersMethod:
         num_layers = int(text.num_hidden_layers)
         selection = preset_selection(cfg.method, num_layers, cfg.layers, cfg.last_hidden, cfg.last_prenorm)
         features = selection.features()
+        config = selection.manifest_config(model_config)
+        positions = vision_inputs(cfg, model_config, config) and is_mrope(model_config)
         return MethodPlan(
-            schema=layers_schema(selection, int(text.hidden_size), dtype, cfg.encodings, is_mrope(model_config)),
-            config=selection.manifest_config(model_config),
+            schema=layers_schema(selection, int(text.hidden_size), dtype, cfg.encodings, positions),
+            config=config,
             request=CaptureRequest(
                 layers=tuple(f.layer for f in features if f.norm == "pre"),
                 embeddings=any(f.norm == "embed" for f in features),

@@ -88,6 +88,11 @@ def add_precompute_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-pixels", type=int, help="a Qwen-VL target's least pixels per image (size.shortest_edge)")
     p.add_argument("--max-pixels", type=int, help="a Qwen-VL target's most pixels per image (size.longest_edge)")
     p.add_argument(
+        "--no-vision-inputs",
+        action="store_true",
+        help="a vision-language target: store neither image_embeds nor positions (for a draft trained text-only)",
+    )
+    p.add_argument(
         "--reasoning",
         help="rendered <think> reasoning: keep (trained on, default) or mask (in the input, not in the loss)",
     )

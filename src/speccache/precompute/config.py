@@ -52,6 +52,7 @@ class PrecomputeConfig:
     draft_vocab_size: int | None = None
     draft_vocab_from: str | None = None
     supervision: str = "hidden"
+    no_vision_inputs: bool = False
     encodings: dict[str, str] = field(
         default_factory=dict, metadata=_parsed(lambda text, flag: parse_encodings(text), "--encode")
     )

@@ -60,6 +60,7 @@ from speccache.format import (
     safetensors_prefix,
 )
 from speccache.format.shard import shard_metadata
+from speccache.methods.decoder import IMAGE_EMBEDS, model_image_token_id
 from speccache.methods.eagle3 import CACHE_NAME, Supervision
 from speccache.methods.eagle3_producer import sample_stat_names
 from speccache.methods.side import tied_metadata, ties_embeddings
@@ -83,18 +84,19 @@ _ERROR_PLACEHOLDER = {"max": 0.03821656050955414, "sq_err": 115.24556454832772, 
 Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
-def key_parts(spec: KeySpec, num_samples: int, num_rows: int, data_bytes: int = 0) -> Layout:
+def key_parts(spec: KeySpec, num_samples: int, num_rows: int, data_length: int = 0) -> Layout:
     """Dtypes and shapes of the parts ``spec``'s encoding writes for a shard, as the encoding describes them.
 
     Args:
         spec: the key.
         num_samples: samples in the shard.
         num_rows: rows of a ragged key in the shard (ignored for a fixed key, which has one row per sample).
-        data_bytes: size of a data-dependent part (a zbf16 key's compressed high plane).
+        data_length: first dimension of a data-dependent part (a zbf16 key's compressed high plane in bytes, a
+            sparse key's stored rows).
     """
     rows = num_rows if spec.ragged else num_samples
     parts = get_encoding(spec.encoding).parts(spec.dtype, spec.shape)
-    return {suffix: (p.dtype, p.shape(rows, num_samples, data_bytes)) for suffix, p in parts.items()}
+    return {suffix: (p.dtype, p.shape(rows, num_samples, data_length)) for suffix, p in parts.items()}
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
@@ -107,6 +109,7 @@ def estimate_shards(
     shard_size: int,
     hi_fraction: float | Mapping[str, float],
     sample_stats: Mapping[str, Sequence[Any]] | None = None,
+    stored_rows: Mapping[str, Sequence[int]] | None = None,
 ) -> dict[str, Any]:
     """Bytes of the native shards holding samples of these lengths, in order.
 
@@ -118,10 +121,15 @@ def estimate_shards(
             every key, or per key).
         sample_stats: the per-sample statistics the producer records (besides ``tokens``), one value per
             sample (exact for counts; a typical value for the floats, whose digits vary).
+        stored_rows: for each key whose encoding keeps some of its rows (``sparse``), the rows it keeps of each
+            sample.
 
     Returns:
         ``keys`` (data bytes per key, as ``speccache inspect`` counts them),
         ``overhead`` (headers and row offsets), ``total`` and ``num_shards``.
+
+    Raises:
+        ValueError: a key that keeps some of its rows is missing from ``stored_rows``.
     """
     ragged = any(s.ragged for s in schema.values())
     key_bytes = {name: 0 for name in schema}
@@ -132,9 +140,15 @@ def estimate_shards(
         rows = int(sum(lengths[start : start + n])) if ragged else 0
         layout: Layout = {OFFSETS_KEY: (torch.int64, (n + 1,))} if ragged else {}
         for name, spec in schema.items():
-            values = math.prod(spec.shape) * (rows if spec.ragged else n)
-            fraction = hi_fraction if isinstance(hi_fraction, (int, float)) else hi_fraction.get(name, 1.0)
-            for suffix, (dtype, shape) in key_parts(spec, n, rows, min(values, round(fraction * values))).items():
+            if _keeps_rows(spec):
+                if stored_rows is None or name not in stored_rows:
+                    raise ValueError(f"key {name!r} ({spec.encoding}): give the rows it keeps of each sample")
+                data_length = int(sum(stored_rows[name][start : start + n]))
+            else:
+                values = math.prod(spec.shape) * (rows if spec.ragged else n)
+                fraction = hi_fraction if isinstance(hi_fraction, (int, float)) else hi_fraction.get(name, 1.0)
+                data_length = min(values, round(fraction * values))
+            for suffix, (dtype, shape) in key_parts(spec, n, rows, data_length).items():
                 layout[part_name(name, suffix)] = (dtype, shape)
                 key_bytes[name] += _nbytes(dtype, shape)
         # The writer's metadata has the same fixed-length checksum strings for any data; empty tensors stand in.
@@ -232,8 +246,24 @@ def _image_counts(plan: Any) -> dict[str, int]:
 
 
 def _exact(spec: KeySpec) -> bool:
-    """Whether a key's size follows from the row counts alone (no part sized by its data, as zbf16's is)."""
+    """Whether a key's size follows from the counts (no part sized by its bytes' values, as zbf16's is; a
+    sparse key's kept rows are counted: :func:`_stored_rows`)."""
     return all(p.length != "bytes" for p in get_encoding(spec.encoding).parts(spec.dtype, spec.shape).values())
+
+
+def _keeps_rows(spec: KeySpec) -> bool:
+    """Whether a key's encoding keeps only some of its rows (a part of length ``"stored"``, as sparse's)."""
+    return any(p.length == "stored" for p in get_encoding(spec.encoding).parts(spec.dtype, spec.shape).values())
+
+
+def _stored_rows(plan: Any) -> dict[str, list[int]]:
+    """The rows each sample keeps of its sparse keys: ``image_embeds`` is non-zero at the image tokens (the
+    model config's image token id, as precompute finds them) and zero elsewhere."""
+    if IMAGE_EMBEDS not in plan.schema:
+        return {}
+    samples, token = plan.samples, model_image_token_id(plan.model_config)
+    at_image = np.concatenate([[0], np.cumsum(samples.input_ids == token)])
+    return {IMAGE_EMBEDS: np.diff(at_image[samples.offsets]).tolist()}
 
 
 def estimate_cache(cfg: Any) -> dict[str, Any]:
@@ -243,7 +273,8 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
 
     Returns:
         ``samples``, ``tokens``, ``num_shards``, ``keys`` (per key: ``encoding``, ``bytes_low``/``bytes_high``,
-        and ``exact``: false for a key whose size depends on its values, zbf16's, whose range is a bound),
+        ``share_low``/``share_high`` (its part of the shards' bytes) and ``exact``: false for a key whose size
+        depends on its values, zbf16's, whose range is a bound),
         ``overhead_bytes``, ``shard_bytes_low``/``_high``, ``side_files`` (bytes of each side file the run writes:
         the method's, stored in ``weight_dtype``, and ``skipped_rows.jsonl`` when a row is skipped),
         ``side_file_bytes`` (the method's side file), ``total_bytes_low``/``_high`` (shards and side files, as the
@@ -268,8 +299,9 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
     plan = make_plan(cfg)
     lengths = plan.samples.lengths.tolist()
     stats = _sample_stats(plan)
-    low = estimate_shards(plan.schema, lengths, cfg.shard_size, ZBF16_HI_FRACTION[0], stats)
-    high = estimate_shards(plan.schema, lengths, cfg.shard_size, ZBF16_HI_FRACTION[1], stats)
+    stored = _stored_rows(plan)
+    low = estimate_shards(plan.schema, lengths, cfg.shard_size, ZBF16_HI_FRACTION[0], stats, stored)
+    high = estimate_shards(plan.schema, lengths, cfg.shard_size, ZBF16_HI_FRACTION[1], stats, stored)
     weight_dtype = _weight_dtype(plan.model_config, cfg.model_dtype)
     side = side_file_bytes(
         plan.vocab_size,
@@ -309,6 +341,8 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
                 "encoding": spec.encoding,
                 "bytes_low": low["keys"][name],
                 "bytes_high": high["keys"][name],
+                "share_low": low["keys"][name] / low["total"],
+                "share_high": high["keys"][name] / high["total"],
                 "exact": _exact(spec),
             }
             for name, spec in plan.schema.items()
@@ -342,6 +376,10 @@ def estimate_cache(cfg: Any) -> dict[str, Any]:
 
 def _span(lo: float, hi: float, fmt: Any = human_bytes) -> str:
     return fmt(lo) if lo == hi else f"{fmt(lo)} - {fmt(hi)}"
+
+
+def _percent(share: float) -> str:
+    return f"{share:.1%}"
 
 
 def _count(value: Any) -> str:
@@ -382,13 +420,13 @@ def format_estimate(est: Mapping[str, Any]) -> str:
     lines = [
         f"estimate   {est['samples']} samples, {tokens} tokens (max length {est['max_length']}) "
         f"in {est['num_shards']} shards of {est['shard_size']}",
-        f"{'key':<20} {'dtype':<10} {'shape':<10} {'encoding':<9} {'bytes':>21} {'B/token':>13}",
+        f"{'key':<20} {'dtype':<10} {'shape':<10} {'encoding':<9} {'bytes':>21} {'B/token':>13} {'share':>11}",
     ]
     for name, k in est["keys"].items():
         lines.append(
             f"{name:<20} {k['dtype']:<10} {str(k['shape']):<10} {k['encoding']:<9} "
-            f"{_span(k['bytes_low'], k['bytes_high']):>21} {_span(k['bytes_low'], k['bytes_high'], per_token):>13}"
-            + ("" if k["exact"] else "  (a bound)")
+            f"{_span(k['bytes_low'], k['bytes_high']):>21} {_span(k['bytes_low'], k['bytes_high'], per_token):>13} "
+            f"{_span(k['share_low'], k['share_high'], _percent):>11}" + ("" if k["exact"] else "  (a bound)")
         )
     lines.append(
         f"{'headers, offsets':<51} {human_bytes(est['overhead_bytes']):>21} {per_token(est['overhead_bytes']):>13}"

@@ -63,6 +63,7 @@ from speccache.methods.base import (
     model_config_hash,
     text_config,
 )
+from speccache.methods.decoder import model_image_token_id
 from speccache.methods.finite import SKIP_REASON, ClearedCounter
 from speccache.methods.registry import method_for
 from speccache.precompute._tokens import ImageInputs, batch_pad_id, sample_length, token_loader
@@ -199,7 +200,7 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
         # chunks change the features' rounding, as batches do: a resume computes the same ones
         **({"prefill_chunk": cfg.prefill_chunk} if cfg.prefill_chunk is not None else {}),
         "engine": cfg.engine,
-        **({"vision": _vision_config(cfg, processor)} if processor is not None else {}),
+        **({"vision": _vision_config(cfg, processor, model_config)} if processor is not None else {}),
     }
     return Plan(
         cfg,
@@ -217,10 +218,15 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
     )
 
 
-def _vision_config(cfg: PrecomputeConfig, processor: Any) -> dict[str, Any]:
-    """What makes a vision-language target's pixels and finds its images (the manifest's ``config.vision``)."""
+def _vision_config(cfg: PrecomputeConfig, processor: Any, model_config: Any) -> dict[str, Any]:
+    """What makes a vision-language target's pixels and finds its images, and the id of its image tokens (the
+    manifest's ``config.vision``)."""
     root = cfg.image_root or os.path.dirname(os.path.abspath(cfg.data))
-    return {**processor_record(processor).as_dict(), "image_root": os.path.abspath(root)}
+    return {
+        **processor_record(processor).as_dict(),
+        "image_root": os.path.abspath(root),
+        "image_token_id": model_image_token_id(model_config),
+    }
 
 
 def _load_data(

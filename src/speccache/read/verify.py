@@ -211,7 +211,12 @@ def inspect_cache(cache_dir: str) -> dict[str, Any]:
         "shard_size": manifest.shard_size,
         "num_shards": len(indices),
         "keys": {
-            name: {**spec.to_json(), "bytes": key_bytes[name], "bytes_per_token": per_token(key_bytes[name])}
+            name: {
+                **spec.to_json(),
+                "bytes": key_bytes[name],
+                "bytes_per_token": per_token(key_bytes[name]),
+                "share": key_bytes[name] / total if total else None,
+            }
             for name, spec in manifest.schema.items()
         },
         "overhead_bytes": other,

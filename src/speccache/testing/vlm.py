@@ -44,7 +44,7 @@ from speccache.data._processor import image_only
 __all__ = ["FAMILIES", "build_vlm_target", "draw_image", "ensure_vlm_target"]
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma3", "llava")
-VLM_VERSION = 2  # 2: four decoder layers (EAGLE-3 reads three distinct ones)
+VLM_VERSION = 3  # 2: four decoder layers (EAGLE-3 reads three distinct ones); 3: Gemma 3's projector not zero
 _MARKER = "speccache_vlm_target.json"
 _TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4}
 _VISION = {"hidden_size": 32, "intermediate_size": 64}
@@ -265,7 +265,10 @@ def _gemma3(source: str, image_size: int = 56, tokens_per_image: int = 4) -> tup
         eoi_token_index=tokenizer.eoi_token_id,
         image_token_index=tokenizer.image_token_id,
     )  # fmt: skip
-    return Gemma3ForConditionalGeneration(config), processor
+    model = Gemma3ForConditionalGeneration(config)
+    # transformers initialises the projector's weight to zeros: no image would reach the language model
+    torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.1)
+    return model, processor
 
 
 def _llava(source: str, image_size: int = 28) -> tuple[Any, Any]:

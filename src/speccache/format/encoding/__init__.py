@@ -9,8 +9,8 @@ hand the shard's parts (zero-copy views) to :meth:`Encoding.decode`.
 Each encoding also describes its parts without data (:meth:`Encoding.parts`), so
 the shard checks, size estimates and readers ask it instead of knowing its layout.
 
-``raw`` stores the rows as they are. ``fp8`` and ``zbf16`` live in their own
-modules; this package imports them and registers all three.
+``raw`` stores the rows as they are. ``fp8``, ``zbf16`` and ``sparse`` live in
+their own modules; this package imports them and registers all four.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from speccache.errors import UsageError
 from speccache.format.encoding._base import Encoding, PartLayout
 from speccache.format.encoding.fp8 import Fp8Encoding
+from speccache.format.encoding.sparse import SparseEncoding
 from speccache.format.encoding.zbf16 import Zbf16Encoding
 
 __all__ = [
@@ -65,8 +66,8 @@ class RawEncoding:
         return parts[""][base + first : base + last]
 
 
-ENCODINGS: dict[str, Encoding] = {e.name: e for e in (RawEncoding(), Fp8Encoding(), Zbf16Encoding())}
-"""Every encoding by its name: the three built in, and any :func:`register_encoding` adds."""
+ENCODINGS: dict[str, Encoding] = {e.name: e for e in (RawEncoding(), Fp8Encoding(), Zbf16Encoding(), SparseEncoding())}
+"""Every encoding by its name: the four built in, and any :func:`register_encoding` adds."""
 
 
 def register_encoding(encoding: Encoding) -> Encoding:

@@ -1,8 +1,8 @@
 """What every encoding is built from: the layout of a part (:class:`PartLayout`) and the :class:`Encoding` protocol.
 
 The encodings (``raw`` in the package, :mod:`~speccache.format.encoding.fp8`,
-:mod:`~speccache.format.encoding.zbf16`) import only this module; the package imports them and builds the registry,
-so no encoding module imports the package that imports it.
+:mod:`~speccache.format.encoding.zbf16`, :mod:`~speccache.format.encoding.sparse`) import only this module; the
+package imports them and builds the registry, so no encoding module imports the package that imports it.
 """
 
 from __future__ import annotations
@@ -25,21 +25,25 @@ class PartLayout:
         dtype: the part's dtype.
         trailing: the shape after the first dimension.
         length: what the first dimension counts: ``"rows"`` (one per row of the key), ``"samples+1"``
-            (offsets, one per sample plus one) or ``"bytes"`` (data-dependent, e.g. compressed bytes).
+            (offsets, one per sample plus one), or, depending on the values, ``"bytes"`` (e.g. compressed
+            bytes) or ``"stored"`` (the rows an encoding keeps, e.g. a sparse key's non-zero rows).
     """
 
     dtype: torch.dtype
     trailing: tuple[int, ...] = ()
     length: str = "rows"
 
-    def shape(self, num_rows: int, num_samples: int, data_bytes: int = 0) -> tuple[int, ...]:
-        """The part's shape in a shard of ``num_samples`` samples and ``num_rows`` rows of the key."""
-        first = {"rows": num_rows, "samples+1": num_samples + 1, "bytes": data_bytes}[self.length]
+    def shape(self, num_rows: int, num_samples: int, data_length: int = 0) -> tuple[int, ...]:
+        """The part's shape in a shard of ``num_samples`` samples and ``num_rows`` rows of the key; ``data_length``
+        is the first dimension of a part whose length depends on the values (``"bytes"``, ``"stored"``)."""
+        first = {"rows": num_rows, "samples+1": num_samples + 1, "bytes": data_length, "stored": data_length}[
+            self.length
+        ]
         return (first, *self.trailing)
 
-    def nbytes(self, num_rows: int, num_samples: int, data_bytes: int = 0) -> int:
+    def nbytes(self, num_rows: int, num_samples: int, data_length: int = 0) -> int:
         """The part's size in bytes (see :meth:`shape`)."""
-        return math.prod(self.shape(num_rows, num_samples, data_bytes)) * self.dtype.itemsize
+        return math.prod(self.shape(num_rows, num_samples, data_length)) * self.dtype.itemsize
 
 
 class Encoding(Protocol):
