@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,8 +18,6 @@ import torch
 from speccache.cli import main
 from speccache.data import load_processor
 from speccache.demo.real_target import ensure_real_target
-from speccache.engines.hf import HfEngine
-from speccache.errors import UsageError
 from speccache.format import load_manifest_json, manifest_path, shard_path
 from speccache.testing.vlm import FAMILIES, draw_image, ensure_vlm_target
 from support.cachecmp import all_samples, file_tree
@@ -220,16 +217,6 @@ def test_append_is_refused_and_changes_nothing(caches, data, capsys):
     assert main([*argv, *FLAGS, *RUN]) == 2
     assert "--append does not extend its caches yet; write a new cache (--out)" in capsys.readouterr().err
     assert file_tree(cache) == before
-
-
-@pytest.mark.parametrize("mode", ["fsdp", "tp"])
-def test_sharded_targets_are_refused(mode, caches):
-    from transformers import AutoConfig
-
-    model, _ = caches["qwen2_5_vl"]
-    cfg = SimpleNamespace(model=model, shard_target=mode, tp_size=None, prefill_chunk=None)
-    with pytest.raises(UsageError, match=f"--shard-target {mode} does not run it; use replicate"):
-        HfEngine.check_model(cfg, AutoConfig.from_pretrained(model), 2)
 
 
 @pytest.mark.parametrize("change", ["image file", "row's own image"])

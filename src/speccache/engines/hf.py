@@ -136,11 +136,9 @@ class HfEngine:
     @classmethod
     def check_model(cls, cfg: EngineSettings, model_config: Any, world_size: int) -> None:
         """Under ``--shard-target tp``: whether transformers can split the architecture over ``--tp-size`` ranks;
-        a vision-language target runs whole (``replicate``) and unchunked."""
+        a vision-language target runs unchunked."""
         if is_vision_language(model_config):
             kind = f"--model {cfg.model} is a vision-language target ({type(model_config).__name__})"
-            if cfg.shard_target != "replicate":
-                raise UsageError(f"{kind}: --shard-target {cfg.shard_target} does not run it; use replicate")
             if cfg.prefill_chunk is not None:
                 raise UsageError(f"{kind}: its rows run whole, never chunked; leave out --prefill-chunk")
         if cfg.shard_target == "tp":
