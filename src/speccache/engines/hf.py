@@ -14,6 +14,9 @@ PyTorch DTensor), each rank reading its slices of the checkpoint, over this
 rank's group of ``T`` ranks: the ``world_size / T`` groups each hold a copy of
 the model, and a forward talks only within its group.
 
+A vision-language target shards its language model alone: its vision tower and projector load whole on every
+rank (docs/vision.md, "Sharded targets").
+
 The side file (embeddings, LM-head rows) of a sharded target is read from the
 checkpoint by the rank that writes it, so it needs no collective and no other
 rank ever materialises those tensors.
