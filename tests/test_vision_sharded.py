@@ -98,6 +98,15 @@ def test_tp_on_a_plan_that_splits_no_decoder_layer_is_refused(reference) -> None
         HfEngine.check_model(cfg, AutoConfig.from_pretrained(model), 2)
 
 
+def test_chunked_prefill_of_a_sharded_target_is_refused(reference) -> None:
+    from transformers import AutoConfig
+
+    model, _ = reference["qwen2_5_vl"]
+    cfg = SimpleNamespace(model=model, shard_target="fsdp", tp_size=None, prefill_chunk=8)
+    with pytest.raises(UsageError, match="in chunks with --shard-target replicate only; leave out --prefill-chunk"):
+        HfEngine.check_model(cfg, AutoConfig.from_pretrained(model), 2)
+
+
 _RANK = """
 import json, sys
 import torch

@@ -48,7 +48,13 @@ from speccache.engines._hf_load import (
 from speccache.engines.base import EngineSettings, check_gpu_memory_utilization
 from speccache.errors import UsageError
 from speccache.methods.base import CaptureRequest, LoadedTarget
-from speccache.methods.decoder import decoder_calls, decoder_layers, forward_capturing, is_vision_language
+from speccache.methods.decoder import (
+    decoder_calls,
+    decoder_layers,
+    forward_capturing,
+    is_mrope,
+    is_vision_language,
+)
 from speccache.write import Comm
 from speccache.write.dist import (
     DataParallelGroups,
@@ -139,11 +145,21 @@ class HfEngine:
     @classmethod
     def check_model(cls, cfg: EngineSettings, model_config: Any, world_size: int) -> None:
         """Under ``--shard-target tp``: whether transformers can split the architecture over ``--tp-size`` ranks;
-        a vision-language target runs unchunked."""
-        if is_vision_language(model_config):
+        a vision-language target runs in ``--prefill-chunk`` chunks only if it is an M-RoPE one, in one process or
+        replicated."""
+        if is_vision_language(model_config) and cfg.prefill_chunk is not None:
             kind = f"--model {cfg.model} is a vision-language target ({type(model_config).__name__})"
-            if cfg.prefill_chunk is not None:
-                raise UsageError(f"{kind}: its rows run whole, never chunked; leave out --prefill-chunk")
+            if not is_mrope(model_config):
+                raise UsageError(
+                    f"{kind}: its rows run whole, never chunked (a chunk that cuts an image is exact only for the "
+                    "M-RoPE targets, Qwen2.5-VL and Qwen3-VL: Gemma 3's image tokens attend to each other both "
+                    "ways); leave out --prefill-chunk"
+                )
+            if cfg.shard_target != "replicate":
+                raise UsageError(
+                    f"{kind}: --prefill-chunk runs its rows in chunks with --shard-target replicate only; leave out "
+                    f"--prefill-chunk with --shard-target {cfg.shard_target}"
+                )
         if cfg.shard_target == "tp":
             check_tp_plan(model_config, cfg.tp_size or world_size)
 
