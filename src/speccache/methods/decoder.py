@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -190,7 +190,7 @@ def _in_chunks(
     attention_mask: torch.Tensor,
     chunk: int,
     captured: dict[Hashable, torch.Tensor],
-    sliced: Any = None,
+    sliced: Callable[[int, int], Mapping[str, Any]] | None = None,
 ) -> tuple[torch.Tensor, dict[Hashable, torch.Tensor]]:
     """Run ``decoder`` over ``inputs`` (``[B, T, ...]`` tensors: ids or embeddings) ``chunk`` tokens at a time
     through a KV cache, gathering what its hooks put in ``captured`` chunk by chunk into whole-length tensors.
