@@ -29,7 +29,7 @@ from unittest import mock
 import pytest
 import torch
 import zstandard
-from transformers import GPT2Config, LlamaConfig
+from transformers import GPT2Config, LlamaConfig, Qwen3VLConfig
 
 import speccache.errors as errors_module
 from speccache.compat._base import refuse_vision
@@ -498,6 +498,7 @@ TRIGGERS: dict[str, T] = {
     "must divide the number of ranks": lambda e: data_parallel_groups(LocalComm(), 3),
     "must divide the model's": lambda e: check_tp_plan(LlamaConfig(num_attention_heads=8, num_key_value_heads=2), 4),
     "has no tensor-parallel plan for the": lambda e: check_tp_plan(GPT2Config(), 2),
+    "splits none of its decoder layers": lambda e: check_tp_plan(Qwen3VLConfig(), 2),
     "reads the weights from safetensors files": lambda e: Checkpoint(str(e.tmp)),
     # writing and resuming
     "already holds a cache": lambda e: write_synthetic_cache(e.cache(), **ARGS),

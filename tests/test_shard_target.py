@@ -16,7 +16,6 @@ A run killed mid-way resumes under another mode and world size.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -31,18 +30,13 @@ from speccache.demo import build_tiny_model_dir, demo_data_path
 from speccache.engines.hf import check_shard_target
 from speccache.read.verify import verify_cache
 from speccache.write import LocalComm, data_parallel_groups
+from support.cachecmp import max_relative_error
+from support.ranks import rank_env
 
 # 6 samples in shards of 4 (4 + 2): over 2 ranks the second rank has one step to the first's two (a dummy step),
 # over 3 ranks the third owns no shard and runs only dummy steps; --draft-vocab-size makes the LM head run too.
 ARGS = ["--limit", "6", "--max-length", "48", "--batch-size", "2", "--shard-size", "4", "--draft-vocab-size", "300"]
 ARGS += ["--device", "cpu", "--quiet"]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    # One thread per process: the same GEMM kernels in the reference and in every rank, so bytes can match.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("SPECCACHE_FAULT", None)
-    return {**env, **extra}
 
 
 def _precompute(model: str, out: Path, dtype: str, nproc: int, *extra: str, **env: str) -> int:
@@ -54,7 +48,9 @@ def _precompute(model: str, out: Path, dtype: str, nproc: int, *extra: str, **en
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
         extra = (*extra, "--timeout", "60")
     cmd = [*launcher, *module, "precompute", "--model", model, "--data", demo_data_path("sharegpt"), "--out", str(out)]
-    proc = subprocess.run([*cmd, *ARGS, "--dtype", dtype, *extra], env=_env(**env), timeout=240, capture_output=True)
+    proc = subprocess.run(
+        [*cmd, *ARGS, "--dtype", dtype, *extra], env=rank_env(**env), timeout=240, capture_output=True
+    )
     if proc.returncode and "SPECCACHE_FAULT" not in env:
         raise AssertionError(proc.stderr.decode()[-4000:])
     return proc.returncode
@@ -78,24 +74,6 @@ def _assert_same_cache(got: Path, want: Path) -> None:
             assert _without_parallel((got / name).read_bytes()) == _without_parallel((want / name).read_bytes())
         else:
             assert (got / name).read_bytes() == (want / name).read_bytes(), name
-
-
-def _max_relative_error(got: Path, want: Path) -> float:
-    """The largest ``max|got - want| / max|want|`` over the float tensors of the shards; other tensors must be equal."""
-    assert _names(got) == _names(want)
-    worst = 0.0
-    for name in _names(want):
-        if not name.startswith("shard-"):
-            continue
-        a, b = load_file(got / name), load_file(want / name)
-        assert a.keys() == b.keys()
-        for key in b:
-            if b[key].is_floating_point():
-                diff = (a[key].double() - b[key].double()).abs().max()
-                worst = max(worst, float(diff / b[key].double().abs().max()))
-            else:
-                assert torch.equal(a[key], b[key]), (name, key)
-    return worst
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +156,7 @@ def test_fsdp_moe_cache_equals_one_process_cache(moe, tmp_path) -> None:
 def test_tp_moe_cache_agrees_with_one_process_cache(moe, tmp_path) -> None:
     model, reference = moe
     _precompute(model, tmp_path / "tp", "fp32", 2, "--shard-target", "tp")
-    assert _max_relative_error(tmp_path / "tp", reference) <= 1e-5
+    assert max_relative_error(tmp_path / "tp", reference) <= 1e-5
 
 
 def test_fused_experts_are_read_one_rank_share_at_a_time(tmp_path, monkeypatch) -> None:
@@ -227,7 +205,7 @@ def tp_cache(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.timeout(600)
 def test_tp_cache_agrees_with_one_process_cache(tp_cache, reference) -> None:
     want = reference["fp32"]
-    assert _max_relative_error(tp_cache, want) <= 1e-5
+    assert max_relative_error(tp_cache, want) <= 1e-5
     # the side file is read from the checkpoint, not gathered from the sharded model: exactly the same bytes
     assert (tp_cache / "eagle3_side.safetensors").read_bytes() == (want / "eagle3_side.safetensors").read_bytes()
     got, ref = (json.loads((c / "manifest.json").read_text()) for c in (tp_cache, want))
@@ -272,7 +250,7 @@ def test_writer_refusal_fails_every_rank_of_its_group(model_dir, tp_cache, tmp_p
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "speccache"]
     cmd += ["precompute", "--model", model_dir, "--data", demo_data_path("sharegpt"), "--out", str(out), *ARGS]
     cmd += ["--dtype", "fp32", "--shard-target", "tp", "--timeout", "60"]
-    proc = subprocess.run(cmd, env=_env(), timeout=240, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=rank_env(), timeout=240, capture_output=True, text=True)
     assert proc.returncode != 0
     assert proc.stderr.count("already holds a cache") == 2, proc.stderr[-3000:]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -291,7 +269,7 @@ def test_architecture_without_tp_plan_is_refused_before_loading(model_dir, tmp_p
     out = tmp_path / "c"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "speccache"]
     cmd += ["precompute", "--model", str(gpt2), "--data", demo_data_path("sharegpt"), "--out", str(out), *ARGS]
-    proc = subprocess.run([*cmd, "--shard-target", "tp"], env=_env(), timeout=240, capture_output=True, text=True)
+    proc = subprocess.run([*cmd, "--shard-target", "tp"], env=rank_env(), timeout=240, capture_output=True, text=True)
     assert proc.returncode != 0
     assert "no tensor-parallel plan for the 'gpt2' architecture; shard it with --shard-target fsdp" in proc.stderr
     assert not out.exists()

@@ -1,8 +1,9 @@
 """Helpers the test modules share: ``from support import cachecmp`` (tests/ is on ``sys.path`` beside its conftest).
 
-``cachecmp`` compares caches, ``crashlib`` kills producers through a fork server, ``follow_trainer`` is the
-trainer a fork server runs, ``residency`` reads what this process has mapped in memory, ``faults`` makes the shard
-writer fail after one shard; ``load_tool`` imports a script of ``tools/``.
+``cachecmp`` compares caches, ``ranks`` launches ``speccache`` over torchrun ranks, ``crashlib`` kills producers
+through a fork server, ``follow_trainer`` is the trainer a fork server runs, ``residency`` reads what this process
+has mapped in memory, ``faults`` makes the shard writer fail after one shard; ``load_tool`` imports a script of
+``tools/``.
 """
 
 from __future__ import annotations

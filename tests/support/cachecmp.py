@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+from safetensors.torch import load_file
 
 from speccache.format import load_manifest_json, manifest_path, shard_path
 from speccache.read import CacheDataset
@@ -40,3 +41,23 @@ def written_bytes(cache: str) -> int:
     # nothing but the files the manifest lists (no stray temporary file counted by chance)
     assert sorted(files) == sorted(os.path.join(cache, n) for n in os.listdir(cache) if n != "manifest.json")
     return sum(os.path.getsize(f) for f in files)
+
+
+def max_relative_error(got: str | os.PathLike[str], want: str | os.PathLike[str]) -> float:
+    """The largest ``max|got - want| / max|want|`` over the float tensors of two caches' shards, whose other
+    tensors (ids, masks, positions, offsets) must be equal and whose files must have the same names."""
+    names = sorted(n for n in os.listdir(want) if not n.startswith("."))
+    assert sorted(n for n in os.listdir(got) if not n.startswith(".")) == names
+    worst = 0.0
+    for name in names:
+        if not name.startswith("shard-"):
+            continue
+        a, b = load_file(os.path.join(got, name)), load_file(os.path.join(want, name))
+        assert a.keys() == b.keys()
+        for key in b:
+            if b[key].is_floating_point() and b[key].numel():  # a shard of text rows stores no image_embeds row
+                diff = (a[key].double() - b[key].double()).abs().max()
+                worst = max(worst, float(diff / b[key].double().abs().max()))
+            else:
+                assert torch.equal(a[key], b[key]), (name, key)
+    return worst

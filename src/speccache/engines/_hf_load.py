@@ -19,7 +19,7 @@ from torch import nn
 
 from speccache.errors import UsageError
 from speccache.methods.base import LoadedTarget
-from speccache.methods.decoder import decoder_layers
+from speccache.methods.decoder import decoder_layers, is_vision_language
 from speccache.write.dist import (
     DataParallelGroups,
     TorchComm,
@@ -42,7 +42,8 @@ def check_tp_plan(model_config: Any, tp_size: int) -> None:
     """Check, before loading, that transformers can split ``model_config``'s architecture over ``tp_size`` ranks.
 
     Raises:
-        ValueError: the architecture has no tensor-parallel plan, or its heads do not split into ``tp_size`` parts.
+        ValueError: the architecture has no tensor-parallel plan (or one that splits no decoder layer), or its heads
+            do not split into ``tp_size`` parts.
     """
     try:
         from transformers.distributed import DistributedConfig  # noqa: F401
@@ -55,10 +56,17 @@ def check_tp_plan(model_config: Any, tp_size: int) -> None:
             "or use --shard-target fsdp"
         ) from None
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    if not getattr(text, "base_model_tp_plan", None):
+    plan = getattr(text, "base_model_tp_plan", None)
+    if not plan:
         raise UsageError(
             f"--shard-target tp: transformers has no tensor-parallel plan for the {model_config.model_type!r} "
             "architecture; shard it with --shard-target fsdp instead"
+        )
+    if not any(module.startswith("layers.") for module in plan):
+        # Qwen3-VL's plan splits the embedding alone: every rank would hold, and compute, every decoder layer whole
+        raise UsageError(
+            f"--shard-target tp: transformers' tensor-parallel plan for the {model_config.model_type!r} architecture "
+            "splits none of its decoder layers; shard it with --shard-target fsdp instead"
         )
     for name in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(text, name, None)
@@ -154,16 +162,18 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torc
 
 
 def meta_model(model_path: str, dtype: Any, checkpoint: Checkpoint) -> PreTrainedModel:
-    """The model with every parameter on the meta device and its buffers (rotary tables) real, on the CPU."""
+    """The model with every parameter on the meta device and its buffers (rotary tables) real, on the CPU (a
+    vision-language target: its ``ForConditionalGeneration``, vision tower included)."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(model_path)
     if dtype == "auto":
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or checkpoint.dtype()
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto.from_config(config, dtype=dtype)
     out = model.get_output_embeddings()
     if out is not None and out.weight is model.get_input_embeddings().weight:
         # Tied: give the head its own copy (filled from the same checkpoint tensor), so that it is a separate FSDP
@@ -198,7 +208,15 @@ def load_fsdp(model_path: str, dtype: Any, device: torch.device) -> LoadedTarget
     head = model.get_output_embeddings()
     # The embedding is a unit of its own: gathered only around its lookup, not for the whole decoder forward.
     units = [*decoder_layers(model), model.get_input_embeddings(), model.get_decoder()]
-    fully_shard_units([*units, *([head] if head is not None else []), model], device)
+    replicated: set[nn.Parameter] = set()
+    if is_vision_language(model.config):
+        # The vision tower and projector stay whole on every rank (each encodes its own batch's images, with no
+        # collective); the vision-language model is a unit so that its forward, which calls the embedding before
+        # the decoder, is FSDP's root of both.
+        units.append(model.model)
+        inside = {id(p) for unit in (model.get_decoder(), head) if unit is not None for p in unit.parameters()}
+        replicated = {p for p in model.parameters() if id(p) not in inside}
+    fully_shard_units([*units, *([head] if head is not None else []), model], device, ignored=replicated)
     model.to_empty(device=device)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -232,8 +250,9 @@ def parameter_readers(
 ) -> dict[str, Reader]:
     """A reader for each of ``model``'s parameters (``only``: for these alone), found before anything is read.
 
-    A parameter is a checkpoint tensor of the same name, the embedding's for a tied head, or built by one of
-    transformers' weight conversions (the fused experts of an MoE layer from one tensor per expert).
+    A parameter is a checkpoint tensor of the same name (or of the name transformers' key renamings give it), the
+    embedding's for a tied head, or built by one of transformers' weight conversions (the fused experts of an MoE
+    layer from one tensor per expert).
 
     Raises:
         ValueError: a parameter is none of these (the message names it).
@@ -244,12 +263,14 @@ def parameter_readers(
     head_name = next((n for n, p in model.named_parameters() if head is not None and p is head.weight), None)
     embed_name = next(n for n, p in model.named_parameters() if p is model.get_input_embeddings().weight)
     converters = _weight_converters(model)
+    renamed = _renamed_keys(model, checkpoint)
     wanted = set(only) if only is not None else None
     readers: dict[str, Reader] = {}
     for name, param in model.named_parameters():
         if wanted is not None and name not in wanted:
             continue
-        key = checkpoint.find(embed_name if tied and name == head_name else name, prefix)
+        source = embed_name if tied and name == head_name else name
+        key = renamed.get(source) or checkpoint.find(source, prefix)
         if key is not None:
             readers[name] = functools.partial(checkpoint.read, key)
             continue
@@ -258,6 +279,27 @@ def parameter_readers(
             raise checkpoint.missing(name)
         readers[name] = _ConvertedReader(checkpoint, converter, name, prefix, int(param.shape[0]), model.config)
     return readers
+
+
+def _renamed_keys(model: PreTrainedModel, checkpoint: Checkpoint) -> dict[str, str]:
+    """The checkpoint key of each parameter whose checkpoint tensor transformers renames on loading.
+
+    Vision-language checkpoints keep the layout of older transformers (Qwen2.5-VL's ``model.layers.*`` is the
+    model's ``model.language_model.layers.*``, LLaVA's ``language_model.model.*`` too), which ``from_pretrained``
+    renames with the model's key mapping; a sharded load reads the same tensors by the same mapping.
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:  # a transformers that loads checkpoints as they are
+        return {}
+    renamings = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
+    if not renamings:
+        return {}
+    params = dict(model.named_parameters())
+    prefix = getattr(model, "base_model_prefix", "model")
+    renamed = {rename_source_key(key, renamings, [], prefix, params)[0]: key for key in checkpoint.files}
+    return {name: key for name, key in renamed.items() if name != key}
 
 
 def _weight_converters(model: PreTrainedModel) -> list[Any]:
@@ -325,7 +367,10 @@ def load_tp(model_path: str, dtype: Any, device: torch.device, groups: DataParal
     from transformers import AutoConfig
     from transformers.distributed import DistributedConfig
     from transformers.distributed.utils import TransformersDeviceMesh
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    )
 
     checkpoint = Checkpoint(model_path)  # before loading: a directory without safetensors fails at once
     if groups is None:  # one group of every rank
@@ -340,19 +385,25 @@ def load_tp(model_path: str, dtype: Any, device: torch.device, groups: DataParal
     meshes = TransformersDeviceMesh(dense, expert)
     config = AutoConfig.from_pretrained(model_path)
     check_tp_plan(config, tp_size)
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+    # a vision-language target: its ForConditionalGeneration, whose tp plan splits the language model alone (the
+    # vision tower, outside it, loads whole on every rank)
+    classes = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING if is_vision_language(config) else MODEL_FOR_CAUSAL_LM_MAPPING
+    if type(config) not in classes:
         raise UsageError(
             f"--model {model_path}: --shard-target tp loads transformers' own causal-LM classes, and the "
             f"{config.model_type!r} architecture has none; use --shard-target fsdp"
         )
     # transformers annotates every lazy auto mapping's values as the tokenizers' (slow, fast) class pair; this
     # one maps a config class to its model class
-    cls = cast("type[PreTrainedModel]", MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
+    cls = cast("type[PreTrainedModel]", classes[type(config)])
 
     def prepare(_: type, config: Any, device_map: Any = None) -> tuple[Any, torch.device, Any]:
         return config, device, meshes
 
-    grouped: type[PreTrainedModel] = type(cls.__name__, (cls,), {"prepare_distribute_model": classmethod(prepare)})
+    # in transformers' module, so that transformers keeps treating it as its own class, not custom code: it applies
+    # its key renamings (a vision-language checkpoint's older layout) only to its own classes
+    body = {"prepare_distribute_model": classmethod(prepare), "__module__": cls.__module__}
+    grouped: type[PreTrainedModel] = type(cls.__name__, (cls,), body)
     model = grouped.from_pretrained(model_path, dtype=dtype, distributed_config=DistributedConfig(tp_size=tp_size))
     model = model.eval().requires_grad_(False)
     embedding = model.get_input_embeddings().weight

@@ -14,6 +14,9 @@ PyTorch DTensor), each rank reading its slices of the checkpoint, over this
 rank's group of ``T`` ranks: the ``world_size / T`` groups each hold a copy of
 the model, and a forward talks only within its group.
 
+A vision-language target shards its language model alone: its vision tower and projector load whole on every
+rank (docs/vision.md, "Sharded targets").
+
 The side file (embeddings, LM-head rows) of a sharded target is read from the
 checkpoint by the rank that writes it, so it needs no collective and no other
 rank ever materialises those tensors.
@@ -45,7 +48,13 @@ from speccache.engines._hf_load import (
 from speccache.engines.base import EngineSettings, check_gpu_memory_utilization
 from speccache.errors import UsageError
 from speccache.methods.base import CaptureRequest, LoadedTarget
-from speccache.methods.decoder import decoder_calls, decoder_layers, forward_capturing, is_vision_language
+from speccache.methods.decoder import (
+    decoder_calls,
+    decoder_layers,
+    forward_capturing,
+    is_mrope,
+    is_vision_language,
+)
 from speccache.write import Comm
 from speccache.write.dist import (
     DataParallelGroups,
@@ -136,13 +145,21 @@ class HfEngine:
     @classmethod
     def check_model(cls, cfg: EngineSettings, model_config: Any, world_size: int) -> None:
         """Under ``--shard-target tp``: whether transformers can split the architecture over ``--tp-size`` ranks;
-        a vision-language target runs whole (``replicate``) and unchunked."""
-        if is_vision_language(model_config):
+        a vision-language target runs in ``--prefill-chunk`` chunks only if it is an M-RoPE one, in one process or
+        replicated."""
+        if is_vision_language(model_config) and cfg.prefill_chunk is not None:
             kind = f"--model {cfg.model} is a vision-language target ({type(model_config).__name__})"
+            if not is_mrope(model_config):
+                raise UsageError(
+                    f"{kind}: its rows run whole, never chunked (a chunk that cuts an image is exact only for the "
+                    "M-RoPE targets, Qwen2.5-VL and Qwen3-VL: Gemma 3's image tokens attend to each other both "
+                    "ways); leave out --prefill-chunk"
+                )
             if cfg.shard_target != "replicate":
-                raise UsageError(f"{kind}: --shard-target {cfg.shard_target} does not run it; use replicate")
-            if cfg.prefill_chunk is not None:
-                raise UsageError(f"{kind}: its rows run whole, never chunked; leave out --prefill-chunk")
+                raise UsageError(
+                    f"{kind}: --prefill-chunk runs its rows in chunks with --shard-target replicate only; leave out "
+                    f"--prefill-chunk with --shard-target {cfg.shard_target}"
+                )
         if cfg.shard_target == "tp":
             check_tp_plan(model_config, cfg.tp_size or world_size)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -177,8 +177,8 @@ def forward_capturing(
 ) -> tuple[torch.Tensor, dict[Hashable, torch.Tensor]]:
     """Run the target's decoder once, capturing decoder layers' outputs (and the first layer's input).
 
-    A vision-language target (``image_inputs`` given) runs whole, its images merged into the input embeddings,
-    as :func:`_vision_forward` describes; it is never chunked.
+    A vision-language target (``image_inputs`` given) runs with its images merged into the input embeddings, as
+    :func:`_vision_forward` describes; only an M-RoPE target is chunked (:func:`_vision_chunks`).
 
     With ``chunk``, a sequence longer than ``chunk`` tokens is computed ``chunk`` tokens at a time, each chunk
     attending to the ones before through a KV cache (chunked prefill): the activations of one forward are those
@@ -200,7 +200,7 @@ def forward_capturing(
         (with a vision-language target's :data:`IMAGE_EMBEDS` and an M-RoPE target's :data:`POSITIONS`).
     """
     if image_inputs is not None:
-        return _vision_forward(model, input_ids, attention_mask, outputs, input_of_first, image_inputs)
+        return _vision_forward(model, input_ids, attention_mask, outputs, input_of_first, image_inputs, chunk)
     layers = decoder_layers(model)
     captured: dict[Hashable, torch.Tensor] = {}
 
@@ -225,29 +225,48 @@ def forward_capturing(
         if chunk is None or length <= chunk:
             out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             return out.last_hidden_state, captured
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=decoder.config)  # the decoder's own (a text config)
-        whole: dict[Hashable, torch.Tensor] = {}  # the outputs, filled chunk by chunk (no concatenated copy)
-        for start in range(0, length, chunk):
-            end = min(start + chunk, length)
-            out = decoder(
-                input_ids=input_ids[:, start:end],
-                attention_mask=attention_mask[:, :end],  # the tokens so far: the cache's and this chunk's
-                use_cache=True,
-                **cache_argument(decoder, cache),
-            )
-            captured[_LAST] = out.last_hidden_state
-            for key, part in captured.items():
-                if key not in whole:
-                    whole[key] = part.new_empty((part.shape[0], length, *part.shape[2:]))
-                whole[key][:, start:end] = part
-            captured.clear()
-        last = whole.pop(_LAST)
-        return last, whole
+        return _in_chunks(decoder, {"input_ids": input_ids}, attention_mask, chunk, captured)
     finally:
         for h in handles:
             h.remove()
+
+
+def _in_chunks(
+    decoder: nn.Module,
+    inputs: Mapping[str, torch.Tensor],
+    attention_mask: torch.Tensor,
+    chunk: int,
+    captured: dict[Hashable, torch.Tensor],
+    sliced: Callable[[int, int], Mapping[str, Any]] | None = None,
+) -> tuple[torch.Tensor, dict[Hashable, torch.Tensor]]:
+    """Run ``decoder`` over ``inputs`` (``[B, T, ...]`` tensors: ids or embeddings) ``chunk`` tokens at a time
+    through a KV cache, gathering what its hooks put in ``captured`` chunk by chunk into whole-length tensors.
+
+    ``sliced(start, end)``, if given, returns more keywords for a chunk (sliced positions, deepstack features).
+    """
+    from transformers import DynamicCache
+
+    length = attention_mask.shape[1]
+    config: Any = decoder.config  # the decoder's own (a text config)
+    cache = DynamicCache(config=config)
+    whole: dict[Hashable, torch.Tensor] = {}  # the outputs, filled chunk by chunk (no concatenated copy)
+    for start in range(0, length, chunk):
+        end = min(start + chunk, length)
+        out = decoder(
+            **{name: value[:, start:end] for name, value in inputs.items()},
+            **(sliced(start, end) if sliced is not None else {}),
+            attention_mask=attention_mask[:, :end],  # the tokens so far: the cache's and this chunk's
+            use_cache=True,
+            **cache_argument(decoder, cache),
+        )
+        captured[_LAST] = out.last_hidden_state
+        for key, part in captured.items():
+            if key not in whole:
+                whole[key] = part.new_empty((part.shape[0], length, *part.shape[2:]))
+            whole[key][:, start:end] = part
+        captured.clear()
+    last = whole.pop(_LAST)
+    return last, whole
 
 
 def _vision_forward(
@@ -257,6 +276,7 @@ def _vision_forward(
     outputs: Mapping[Hashable, int],
     input_of_first: Hashable | None,
     image_inputs: Mapping[str, torch.Tensor],
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, dict[Hashable, torch.Tensor]]:
     """The forward of a vision-language target (its ``ForConditionalGeneration``'s ``model``) with the pixels.
 
@@ -264,7 +284,9 @@ def _vision_forward(
     Qwen3-VL adds its deepstack image features to the residual stream after a layer's forward, and vLLM's EAGLE-3
     capture, like the next layer, sees the sum. An M-RoPE target's positions come from the model's own
     ``get_rope_index`` and are passed explicitly (never its cached ``rope_deltas``). :data:`IMAGE_EMBEDS` are
-    the ``inputs_embeds`` the base's ``language_model`` is called with, kept at the model's image tokens.
+    the ``inputs_embeds`` the base's ``language_model`` is called with, kept at the model's image tokens. With
+    ``chunk``, an M-RoPE target's sequence longer than ``chunk`` runs in chunks (:func:`_vision_chunks`; the engine
+    refuses the others).
     """
     layers, norm = decoder_layers(model), final_norm(model)
     captured: dict[Hashable, torch.Tensor] = {}
@@ -284,12 +306,16 @@ def _vision_forward(
     base: Any = model.model  # the ForConditionalGeneration's vision-language model
     at_image = (input_ids == model_image_token_id(model.config)).unsqueeze(-1)
 
-    def merged(_module: nn.Module, _args: Any, kwargs: dict[str, Any]) -> None:
+    def image_rows(embeds: torch.Tensor) -> torch.Tensor:
         # What every family's language model receives, whatever it did to get there (Gemma 3 scales the text
         # embeddings, not the image features): kept at the image tokens only, text rows being embed_tokens(ids).
-        captured[IMAGE_EMBEDS] = torch.where(at_image, kwargs["inputs_embeds"], 0.0)
+        return torch.where(at_image, embeds, 0.0)
 
-    handles.append(base.language_model.register_forward_pre_hook(merged, with_kwargs=True))
+    def merged(_module: nn.Module, _args: Any, kwargs: dict[str, Any]) -> None:
+        captured[IMAGE_EMBEDS] = image_rows(kwargs["inputs_embeds"])
+
+    merged_hook = base.language_model.register_forward_pre_hook(merged, with_kwargs=True)
+    handles.append(merged_hook)
     dtype = next(model.parameters()).dtype
     inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in image_inputs.items()}
     try:
@@ -302,9 +328,74 @@ def _vision_forward(
                 attention_mask=attention_mask,
             )
             inputs["position_ids"] = positions
-            captured[POSITIONS] = positions.permute(1, 2, 0)
-        out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **inputs)
-        return out.last_hidden_state, captured
+        if chunk is not None and input_ids.shape[1] > chunk:
+            merged_hook.remove()  # the chunks call the language model once each, a chunk of the embeddings at a time
+            last, got, embeds = _vision_chunks(model, input_ids, attention_mask, inputs, chunk, captured)
+            got[IMAGE_EMBEDS] = image_rows(embeds)
+        else:
+            out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **inputs)
+            last, got = out.last_hidden_state, captured
+        if "position_ids" in inputs:
+            got[POSITIONS] = inputs["position_ids"].permute(1, 2, 0)
+        return last, got
     finally:
         for h in handles:
             h.remove()
+
+
+class _LanguageModelCall(Exception):
+    """Stops a vision-language model's forward where it calls its language model, with the keywords it passes."""
+
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        super().__init__("the vision-language model's inputs are merged")
+        self.kwargs = kwargs
+
+
+def _vision_chunks(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    inputs: Mapping[str, torch.Tensor],
+    chunk: int,
+    captured: dict[Hashable, torch.Tensor],
+) -> tuple[torch.Tensor, dict[Hashable, torch.Tensor], torch.Tensor]:
+    """An M-RoPE target's forward in ``chunk``-token chunks (chunked prefill), exact as text chunks are; returns
+    :func:`_in_chunks`'s result and the merged input embeddings the chunks ran over.
+
+    The vision-language model runs up to its language model call (images encoded and merged into the input
+    embeddings by its own code), and the language model then runs over the merged embeddings chunk by chunk with
+    each chunk's slice of the explicit positions; Qwen3-VL's deepstack features are split with them (the rows of
+    the image tokens in the chunk), as its layers add them at those tokens. Exact because the language model's
+    attention is causal at image tokens too and every position is explicit.
+    """
+    decoder: nn.Module = model.get_decoder()  # type: ignore[operator]  # nn.Module's __getattr__ stub
+    base: Any = model.model  # the ForConditionalGeneration's vision-language model
+
+    def stop(_module: nn.Module, _args: Any, kwargs: dict[str, Any]) -> None:
+        raise _LanguageModelCall(kwargs)
+
+    handle = decoder.register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **inputs)
+        raise AssertionError(f"{type(model).__name__}: its forward never called its language model")
+    except _LanguageModelCall as call:
+        merged = call.kwargs
+    finally:
+        handle.remove()
+    positions = merged["position_ids"]
+    visual, deepstack = merged.get("visual_pos_masks"), merged.get("deepstack_visual_embeds")
+    if visual is not None and deepstack is not None:
+        # row i of each deepstack tensor belongs to the i-th image token in (batch, position) order
+        order = torch.zeros(visual.shape, dtype=torch.long, device=visual.device)
+        order[visual] = torch.arange(int(visual.sum()), device=visual.device)
+
+    def sliced(start: int, end: int) -> dict[str, Any]:
+        part: dict[str, Any] = {"position_ids": positions[..., start:end]}
+        if visual is not None and deepstack is not None:
+            rows = order[:, start:end][visual[:, start:end]]
+            part |= {"visual_pos_masks": visual[:, start:end], "deepstack_visual_embeds": [d[rows] for d in deepstack]}
+        return part
+
+    embeds = merged["inputs_embeds"]
+    last, got = _in_chunks(decoder, {"inputs_embeds": embeds}, attention_mask, chunk, captured, sliced)
+    return last, got, embeds

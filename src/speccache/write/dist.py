@@ -353,8 +353,11 @@ def require_group(mode: str) -> None:
         raise not_under_torchrun(mode)
 
 
-def fully_shard_units(units: list[torch.nn.Module], device: torch.device) -> None:
-    """Wrap each module of ``units`` with FSDP2 over all ranks, innermost first (the last is the root).
+def fully_shard_units(
+    units: list[torch.nn.Module], device: torch.device, ignored: set[torch.nn.Parameter] | None = None
+) -> None:
+    """Wrap each module of ``units`` with FSDP2 over all ranks, innermost first (the last is the root); the
+    parameters in ``ignored`` are left whole on every rank, outside every unit.
 
     Raises:
         ValueError: no process group is initialised (not launched by ``torchrun``).
@@ -364,7 +367,7 @@ def fully_shard_units(units: list[torch.nn.Module], device: torch.device) -> Non
 
     require_group("fsdp")
     mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
-    sharded = [fully_shard(unit, mesh=mesh) for unit in units]
+    sharded = [fully_shard(unit, mesh=mesh, ignored_params=ignored) for unit in units]
     if device.type == "cpu":
         # FSDP2 keeps a unit's all-gather output until the next unit's parameters are copied out of its own (for
         # streams that overlap the two on a GPU): three units at once in host memory. Gathering with async_op
