@@ -11,9 +11,15 @@ rendering drops), ``_failure`` (``RowFailure``).
 
 from speccache.data._failure import RowFailure
 from speccache.data._files import data_root, file_content_hash, is_hub_id, iter_rows
-from speccache.data._images import sample_images
+from speccache.data._images import row_images, sample_images
 from speccache.data._messages import chat_messages
-from speccache.data._processor import ProcessorRecord, load_processor, processor_record, vision_processor_class
+from speccache.data._processor import (
+    ProcessorRecord,
+    load_processor,
+    processor_record,
+    recorded_processor,
+    vision_processor_class,
+)
 from speccache.data._samples import (
     DROPPED_MODES,
     DataStats,
@@ -32,12 +38,13 @@ from speccache.data._tokenizer import (
     load_tools_file,
     tokenizer_hash,
 )
-from speccache.data._vision import image_token_id
+from speccache.data._vision import MODALITY_KEYS, image_count, image_token_id, processor_inputs
 from speccache.data.chat import load_samples, merge_parts, tokenize_row
 from speccache.data.template import REASONING_MODES, TURN_MODES, ChatFormat, chat_format, today
 
 __all__ = [
     "DROPPED_MODES",
+    "MODALITY_KEYS",
     "REASONING_MODES",
     "ChatFormat",
     "DataStats",
@@ -57,6 +64,7 @@ __all__ = [
     "load_chat_tokenizer",
     "load_processor",
     "file_content_hash",
+    "image_count",
     "image_token_id",
     "is_hub_id",
     "iter_rows",
@@ -64,7 +72,10 @@ __all__ = [
     "load_template_file",
     "load_tools_file",
     "merge_parts",
+    "processor_inputs",
     "processor_record",
+    "recorded_processor",
+    "row_images",
     "sample_images",
     "TURN_MODES",
     "today",

@@ -32,7 +32,7 @@ from speccache.data._failure import RowFailure, row_error
 from speccache.data._files import iter_rows
 from speccache.data._messages import chat_messages
 
-__all__ = ["BAD_IMAGE", "IMAGE_MARKER", "RowImage", "has_images", "image_messages", "sample_images"]
+__all__ = ["BAD_IMAGE", "IMAGE_MARKER", "RowImage", "has_images", "image_messages", "row_images", "sample_images"]
 
 IMAGE_MARKER = "<image>"
 BAD_IMAGE = "bad_image"  # the skip reason of a row whose image is missing or unreadable
@@ -265,8 +265,7 @@ def sample_images(
             out.append(loader.load(source, source).image)
             continue
         if in_row is None:  # the row's own bytes: read it again, once per sample
-            row = next((r for n, r in iter_rows(data, split) if n == source_row), None)
-            in_row = {} if row is None else {i.source: i.image for i in image_messages(row, where, image_root)[2]}
+            in_row = {i.source: i.image for i in _reread(data, split, source_row, image_root)}
         if source not in in_row:
             raise RowFailure(
                 f"{where}: its image {source} is no longer in the row: --data changed while the run read it; "
@@ -275,3 +274,19 @@ def sample_images(
             )
         out.append(in_row[source])
     return out
+
+
+def _reread(data: str, split: str | None, source_row: int, image_root: str) -> list[RowImage]:
+    """The images of row ``source_row`` (0-based) of ``data``, read again (none if the row is gone)."""
+    row = next((r for n, r in iter_rows(data, split) if n == source_row), None)
+    return [] if row is None else image_messages(row, f"{data}:{source_row + 1}", image_root)[2]
+
+
+def row_images(data: str, split: str | None, source_row: int, image_root: str) -> list[Any]:
+    """The decoded images of row ``source_row`` (0-based) of ``data``, in the order its samples' image tokens
+    hold them, read again as precompute read the row (relative paths against ``image_root``).
+
+    Raises:
+        RowFailure: an image is missing or unreadable.
+    """
+    return [image.image for image in _reread(data, split, source_row, image_root)]

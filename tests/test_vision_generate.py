@@ -1,0 +1,114 @@
+"""``speccache evaluate`` and ``speccache regenerate`` on vision-language targets (docs/vision.md, "Evaluate and
+regenerate"): on tiny Qwen2.5-VL and Qwen3-VL targets, the target's greedy decoding of an image prompt through the
+evaluator's runner equals transformers' own ``generate`` with the processor's pixels, and speculative decoding
+(n-gram, prompt lookup, an EAGLE-3 draft trained on the image cache) equals it token for token; regenerate answers
+an image row as ``generate`` does, keeps its images, and its output re-precomputes; what is not built is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from speccache.cli import main
+from speccache.data import load_processor
+from speccache.demo.real_target import ensure_real_target
+from speccache.errors import UsageError
+from speccache.regenerate import RegenerateConfig, regenerate
+from speccache.testing.vlm import draw_image, ensure_vlm_target
+from speccache.train.draft import load_draft
+from speccache.train.evaluate import (
+    DraftProposer,
+    NgramTable,
+    PromptLookup,
+    TargetRunner,
+    eos_ids,
+    image_prompts,
+    speculative_generate,
+)
+from support.cachecmp import all_samples
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")  # the M-RoPE families: their positions are what decoding can get wrong
+AUX = ["--aux-layers", "0,1,2", "--dtype", "fp32", "--model-dtype", "fp32", "--device", "cpu", "--quiet"]
+NEW = 12  # tokens decoded per prompt
+
+
+def _row(images: list[str], question: str, answer: str) -> dict:
+    parts = [{"type": "image_url", "image_url": {"url": name}} for name in images]
+    return {
+        "messages": [
+            {"role": "user", "content": [*parts, {"type": "text", "text": question}]},
+            {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+        ]
+    }
+
+
+ROWS = [
+    _row(["a.png"], "What is red?", "A square."),
+    _row([], "Tell me a story.", "Once upon a time."),
+    _row(["a.png", "b.png"], "Compare them.", "Two pictures."),
+]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("vision-generate")
+    draw_image(str(root / "a.png"), 56, 84, seed=0)
+    draw_image(str(root / "b.png"), 64, 40, seed=1)
+    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS), encoding="utf-8")
+    return root
+
+
+@pytest.fixture(scope="module")
+def targets(offline_single_thread, data, tmp_path_factory) -> dict[str, dict[str, str]]:
+    """Per family: the target, its cache of :data:`ROWS` and a draft trained on it (all through the CLI)."""
+    out = {}
+    for family in FAMILIES:
+        model = ensure_vlm_target(family, ensure_real_target())
+        root = tmp_path_factory.mktemp(family)
+        cache, draft = str(root / "cache"), str(root / "draft")
+        argv = ["precompute", "--model", model, "--data", str(data / "data.jsonl"), "--out", cache, *AUX]
+        assert main([*argv, "--batch-size", "2"]) == 0
+        assert main(["train", cache, "--out", draft, "--epochs", "2", "--batch-size", "2", "--device", "cpu"]) == 0
+        out[family] = {"model": model, "cache": cache, "draft": draft}
+    return out
+
+
+def _model(model_dir: str):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_speculative_decoding_of_image_prompts_equals_the_targets_generate(family, targets):
+    t = targets[family]
+    model, draft = _model(t["model"]), load_draft(t["draft"])
+    prompts, images = image_prompts(t["cache"], None, t["model"])
+    assert [bool(i.get("pixel_values") is not None) for i in images] == [True, False, True]
+    runner, eos = TargetRunner(model, draft.config.aux_layers), eos_ids(model)
+    proposers = {"draft": DraftProposer(draft), "ngram": NgramTable.from_cache(t["cache"]), "lookup": PromptLookup()}
+    for prompt, inputs in zip(prompts, images):
+        ids = torch.tensor([prompt])
+        # transformers' own generate, its rope_deltas reset as a new prompt's generate does
+        model.model.rope_deltas = None
+        want = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), **inputs, max_new_tokens=NEW, do_sample=False
+        )[0, len(prompt) :].tolist()
+        plain, forwards = speculative_generate(runner, prompt, None, 3, NEW, eos, inputs)
+        assert plain == want and forwards == len(want)
+        for name, proposer in proposers.items():
+            got, _ = speculative_generate(runner, prompt, proposer, 3, NEW, eos, inputs)
+            assert got == want, name
+
+
+def test_evaluate_cli_decodes_an_image_cache(targets, tmp_path):
+    t = targets["qwen3_vl"]
+    report = tmp_path / "report.json"
+    argv = ["evaluate", t["draft"], "--cache", t["cache"], "--model", t["model"], "--device", "cpu"]
+    assert main([*argv, "--max-new-tokens", str(NEW), "--json", str(report), "--quiet"]) == 0
+    spec = json.loads(report.read_text())["speculative"]
+    assert spec["prompts"] == 3
+    assert all(spec[name]["identical_to_greedy"] for name in ("draft", "ngram", "prompt_lookup"))
