@@ -112,3 +112,63 @@ def test_evaluate_cli_decodes_an_image_cache(targets, tmp_path):
     spec = json.loads(report.read_text())["speculative"]
     assert spec["prompts"] == 3
     assert all(spec[name]["identical_to_greedy"] for name in ("draft", "ngram", "prompt_lookup"))
+
+
+def _parts(out: Path) -> list[dict]:
+    record = json.loads((out / "regenerate.json").read_text())
+    return [json.loads(line) for part in record["parts"] for line in (out / part["name"]).read_text().splitlines()]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_regenerate_answers_image_rows_as_generate_does_and_the_rows_precompute(family, targets, data, tmp_path):
+    from PIL import Image
+
+    t = targets[family]
+    out = tmp_path / "regen"
+    argv = ["regenerate", "--model", t["model"], "--data", str(data / "data.jsonl"), "--out", str(out)]
+    # rows of unlike lengths batched together: left-padded, M-RoPE positions per row
+    assert main([*argv, "--max-new-tokens", str(NEW), "--batch-size", "3", "--device", "cpu", "--quiet"]) == 0
+    rows = _parts(out)
+    model, processor = _model(t["model"]), load_processor(t["model"])
+    for given, row in zip(ROWS, rows):
+        assert row["messages"][0] == given["messages"][0]  # the user turn as given: its image parts and paths
+        parts = given["messages"][0]["content"]
+        user = [
+            {"type": "image", "image": Image.open(data / p["image_url"]["url"])} if p["type"] == "image_url" else p
+            for p in parts
+        ]
+        inputs = processor.apply_chat_template(
+            [{"role": "user", "content": user}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+        )
+        prompt = inputs["input_ids"][0].tolist()
+        model.model.rope_deltas = None
+        want = model.generate(**inputs, max_new_tokens=NEW, do_sample=False)[0, len(prompt) :].tolist()
+        assert row["input_ids"] == prompt + want[: len(row["input_ids"]) - len(prompt)]
+        assert row["loss_mask"] == [0] * len(prompt) + [1] * (len(row["input_ids"]) - len(prompt))
+    # the written rows feed precompute as they are: their ids, with their images' pixels
+    cache = str(tmp_path / "cache")
+    argv = ["precompute", "--model", t["model"], "--data", str(out), "--out", cache, "--image-root", str(data)]
+    assert main([*argv, *AUX]) == 0
+    samples = all_samples(cache)
+    assert [s["input_ids"].tolist() for s in samples] == [r["input_ids"] for r in rows]
+    image = samples[2]["input_ids"] == model.config.image_token_id
+    assert image.sum() > 0 and not torch.equal(samples[2]["positions"][:, 1], samples[2]["positions"][:, 0])
+
+
+def test_vision_refusals_name_the_fix(targets, data, tmp_path, capsys):
+    t = targets["qwen2_5_vl"]
+    argv = ["regenerate", "--model", t["model"], "--data", str(data / "data.jsonl"), "--out", str(tmp_path / "v")]
+    assert main([*argv, "--engine", "vllm"]) == 2
+    err = capsys.readouterr().err
+    assert "is a vision-language target" in err and "use --engine hf" in err
+    assert not (tmp_path / "v").exists()
+    # the cache's pixels need the target's processor: a text-only --model is refused before any decoding
+    argv = ["evaluate", t["draft"], "--cache", t["cache"], "--model", ensure_real_target(), "--device", "cpu"]
+    assert main([*argv, "--quiet"]) != 0
+    assert "has no image processor" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="--min-pixels/--max-pixels: .* text-only target"):
+        regenerate(RegenerateConfig(ensure_real_target(), str(data / "data.jsonl"), str(tmp_path / "t"), min_pixels=9))

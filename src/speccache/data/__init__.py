@@ -11,7 +11,14 @@ rendering drops), ``_failure`` (``RowFailure``).
 
 from speccache.data._failure import RowFailure
 from speccache.data._files import data_root, file_content_hash, is_hub_id, iter_rows
-from speccache.data._images import row_images, sample_images
+from speccache.data._images import (
+    check_image_root,
+    has_images,
+    image_messages,
+    image_root_of,
+    row_images,
+    sample_images,
+)
 from speccache.data._messages import chat_messages
 from speccache.data._processor import (
     ProcessorRecord,
@@ -38,7 +45,7 @@ from speccache.data._tokenizer import (
     load_tools_file,
     tokenizer_hash,
 )
-from speccache.data._vision import MODALITY_KEYS, image_count, image_token_id, processor_inputs
+from speccache.data._vision import MODALITY_KEYS, Vision, bare_images, image_count, image_token_id, processor_inputs
 from speccache.data.chat import load_samples, merge_parts, tokenize_row
 from speccache.data.template import REASONING_MODES, TURN_MODES, ChatFormat, chat_format, today
 
@@ -54,9 +61,12 @@ __all__ = [
     "SkippedRow",
     "TokenizedSample",
     "TokenizedSamples",
+    "Vision",
+    "bare_images",
     "chat_format",
     "chat_messages",
     "chat_template_of",
+    "check_image_root",
     "check_dropped_mode",
     "check_model_source",
     "data_root",
@@ -64,7 +74,10 @@ __all__ = [
     "load_chat_tokenizer",
     "load_processor",
     "file_content_hash",
+    "has_images",
     "image_count",
+    "image_messages",
+    "image_root_of",
     "image_token_id",
     "is_hub_id",
     "iter_rows",

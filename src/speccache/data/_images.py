@@ -32,7 +32,17 @@ from speccache.data._failure import RowFailure, row_error
 from speccache.data._files import iter_rows
 from speccache.data._messages import chat_messages
 
-__all__ = ["BAD_IMAGE", "IMAGE_MARKER", "RowImage", "has_images", "image_messages", "row_images", "sample_images"]
+__all__ = [
+    "BAD_IMAGE",
+    "IMAGE_MARKER",
+    "RowImage",
+    "check_image_root",
+    "has_images",
+    "image_messages",
+    "image_root_of",
+    "row_images",
+    "sample_images",
+]
 
 IMAGE_MARKER = "<image>"
 BAD_IMAGE = "bad_image"  # the skip reason of a row whose image is missing or unreadable
@@ -67,6 +77,21 @@ def _is_image_part(part: Any) -> bool:
 
 def _is_video_part(part: Any) -> bool:
     return isinstance(part, dict) and (part.get("type") in _VIDEO_PARTS or "video" in part)
+
+
+def check_image_root(image_root: str | None) -> None:
+    """Refuse an ``--image-root`` that is not a directory.
+
+    Raises:
+        FileNotFoundError: naming the flag.
+    """
+    if image_root is not None and not os.path.isdir(image_root):
+        raise FileNotFoundError(f"--image-root {image_root}: no such directory")
+
+
+def image_root_of(data: str, image_root: str | None) -> str:
+    """The folder a row's relative image paths resolve against: ``--image-root``, else the data file's folder."""
+    return image_root or os.path.dirname(os.path.abspath(data))
 
 
 def has_images(row: Any) -> bool:

@@ -25,7 +25,16 @@ from speccache.data._samples import Sample
 from speccache.data.template import ChatFormat, masked_text
 from speccache.errors import DataError
 
-__all__ = ["MODALITY_KEYS", "Vision", "encode_images", "image_count", "image_token_id", "pretokenized_sources", "processor_inputs"]
+__all__ = [
+    "MODALITY_KEYS",
+    "Vision",
+    "bare_images",
+    "encode_images",
+    "image_count",
+    "image_token_id",
+    "pretokenized_sources",
+    "processor_inputs",
+]
 
 
 @dataclass(frozen=True)
@@ -173,7 +182,7 @@ def encode_images(
     samples, sources, texts = [], [], []
     for turn, end, turns, name in prefixes if fmt.expand_turns else [(-1, len(messages), None, where)]:
         part = messages[:end]
-        ids, mask, text = masked_text(tokenizer, fmt, _bare(part), name, tools, turns)
+        ids, mask, text = masked_text(tokenizer, fmt, bare_images(part), name, tools, turns)
         expanded = _processor_ids(vision, fmt, part, tools, name)
         samples.append((turn, expanded, _carry(ids, mask, expanded, image_token_id(vision.processor), name)))
         sources.append(_sources(part, images))
@@ -182,7 +191,7 @@ def encode_images(
     return samples, dropped_fields(_as_text(kept), tools, "\n".join(texts)), sources
 
 
-def _bare(messages: list[dict]) -> list[dict]:
+def bare_images(messages: list[dict]) -> list[dict]:
     """The messages with each image part a bare placeholder, as the template sees it (no pixels)."""
     return [
         {**m, "content": [{"type": "image"} if p["type"] == "image" else p for p in m["content"]]}

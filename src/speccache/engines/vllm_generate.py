@@ -18,11 +18,13 @@ generator's up to near-ties that rounding flips.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
 
+from speccache.data import vision_processor_class
 from speccache.engines.generation import Answer, GenerationSettings
 from speccache.engines.vllm import (
     _DTYPES,
@@ -60,7 +62,14 @@ class VllmGenerator:
 
     @classmethod
     def check_flags(cls, config: Any) -> None:
-        """Refuse ``--device`` (vLLM runs on its own platform) and an environment without vLLM."""
+        """Refuse ``--device`` (vLLM runs on its own platform), a vision-language target and an environment
+        without vLLM."""
+        vision = vision_processor_class(config.model) if os.path.isdir(config.model) else None
+        if vision is not None:
+            raise UsageError(
+                f"--model {config.model} is a vision-language target ({vision}): --engine vllm does not answer its "
+                "image rows here (vLLM's vision-language modules need torchvision); use --engine hf"
+            )
         if config.device is not None:
             raise UsageError(
                 f"--device {config.device} is the hf engine's: vLLM runs the target on its own platform (the GPU "

@@ -24,9 +24,8 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from torch import nn
 
-from speccache.data import MODALITY_KEYS, image_count, row_images, image_token_id, processor_inputs, recorded_processor
+from speccache.data import MODALITY_KEYS, image_count, image_token_id, processor_inputs, recorded_processor, row_images
 from speccache.format import Manifest
 from speccache.methods.decoder import cache_argument, capture_next_inputs, vision_inputs
 from speccache.methods.eagle3 import Eagle3CacheDataset, TargetHead, build_eagle3_dataloader, draft_view
@@ -267,7 +266,9 @@ def speculative_generate(
         # three-argument call
         known = {} if positions is None else {"positions": _extended(positions, len(tokens))}
         drafted = proposer.propose(tokens, aux, min(k, left - 1), **known) if proposer is not None and left > 1 else []
-        chain = {} if positions is None else {"positions": following_positions(known["positions"][:-1], 1 + len(drafted))}
+        chain = (
+            {} if positions is None else {"positions": following_positions(known["positions"][:-1], 1 + len(drafted))}
+        )
         logits, new_aux = runner([tokens[-1], *drafted], cache, **chain)
         forwards += 1
         choice = logits.argmax(-1).tolist()  # choice[i]: the target's token after tokens[-1], drafted[:i]
@@ -388,7 +389,9 @@ def _prompt_samples(cache_dir: str, limit: int | None, source_rows: bool = False
         sample = ds[i]
         first = torch.nonzero(sample["loss_mask"]).flatten()
         if len(first) and int(first[0]) > 0:
-            prompts.append((sample["input_ids"][: int(first[0])].tolist(), int(sample["source_row"]) if source_rows else -1))
+            prompts.append(
+                (sample["input_ids"][: int(first[0])].tolist(), int(sample["source_row"]) if source_rows else -1)
+            )
         if limit is not None and len(prompts) >= limit:
             break
     return prompts
