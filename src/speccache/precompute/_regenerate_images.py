@@ -10,6 +10,7 @@ its ``image``/``images`` field, so that it reads back with the same images.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -45,6 +46,13 @@ class ImageTurns:
                 "row's messages as given: give the system prompt as the first message"
             )
         self.fields = {k: row[k] for k in IMAGE_FIELDS if k in row}
+        try:
+            json.dumps([self.shown, self.fields])
+        except (TypeError, ValueError) as e:
+            raise DataError(
+                f"{where}: its images are held as decoded pixels or bytes (a datasets image column), which a "
+                f"written row cannot hold as JSON ({e}); save the images as files and give their paths"
+            ) from e
         self.placed = 0  # the images the prompts so far hold
 
     def tokens(self, text: str, messages: list[dict]) -> list[int]:
