@@ -19,7 +19,7 @@ generator's up to near-ties that rounding flips.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import xxhash
@@ -107,10 +107,15 @@ class VllmGenerator:
         )
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], streams: Sequence[Any], on_tokens: Callable[[int], None] | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        streams: Sequence[Any],
+        on_tokens: Callable[[int], None] | None = None,
+        images: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[Answer]:
         """The answers of one ``vllm.LLM.generate`` call (vLLM starts at the first); ``on_tokens`` is told of each
-        answer's tokens as the call returns it (vLLM's own bar is off: the run's bar shows rows and tokens)."""
+        answer's tokens as the call returns it (vLLM's own bar is off: the run's bar shows rows and tokens).
+        ``images`` never comes: :meth:`check_flags` refuses a vision-language target."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

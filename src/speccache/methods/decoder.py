@@ -250,7 +250,8 @@ def vision_inputs(
     }
     if is_mrope(model.config):
         modality = inputs.pop("mm_token_type_ids", None)
-        inputs["position_ids"] = model.model.get_rope_index(  # type: ignore[operator]
+        base: Any = model.model  # the ForConditionalGeneration's vision-language model
+        inputs["position_ids"] = base.get_rope_index(
             input_ids,
             mm_token_type_ids=torch.zeros_like(input_ids) if modality is None else modality,
             image_grid_thw=inputs.get("image_grid_thw"),

@@ -277,7 +277,8 @@ def _part_rows(rows: list[_Row], generator: Generator, progress: _Progress) -> N
         if not todo:
             return
         # image inputs go to a vision-language target's generator only: a text generator keeps its three arguments
-        images = {"images": [r.images.inputs(r.ids) for r in todo]} if todo[0].images is not None else {}
+        inputs = [r.images.inputs(r.ids) for r in todo if r.images is not None]
+        images = {"images": inputs} if inputs else {}
         answers = generator.generate([r.ids for r in todo], [r.stream for r in todo], progress.tokens, **images)
         for r, (new_ids, ended) in zip(todo, answers):
             r.answer(new_ids, ended)
