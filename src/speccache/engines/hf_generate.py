@@ -6,6 +6,10 @@ The loop runs the model with a KV cache (transformers' ``DynamicCache``) over ba
 its batch (and the cache) when its answer ends, so the forwards shrink as answers end. Every row samples with
 its own ``torch.Generator`` (its stream), one uniform per generated token, so what a row gets does not depend
 on the rows batched with it (up to the rounding of batched matrix products).
+
+A vision-language target's prompts come with their image inputs, given to the prefill; an M-RoPE target's
+positions are its own ``get_rope_index`` of the padded batch, and each generated token's one more on all three
+rows, as transformers' ``generate`` counts them.
 """
 
 from __future__ import annotations

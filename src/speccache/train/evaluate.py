@@ -266,9 +266,9 @@ def speculative_generate(
         # three-argument call
         known = {} if positions is None else {"positions": _extended(positions, len(tokens))}
         drafted = proposer.propose(tokens, aux, min(k, left - 1), **known) if proposer is not None and left > 1 else []
-        chain = (
-            {} if positions is None else {"positions": following_positions(known["positions"][:-1], 1 + len(drafted))}
-        )
+        chain: dict[str, torch.Tensor] = {}  # the positions of [tokens[-1], *drafted]
+        if positions is not None:
+            chain["positions"] = _extended(positions, len(tokens) + len(drafted))[len(tokens) - 1 :]
         logits, new_aux = runner([tokens[-1], *drafted], cache, **chain)
         forwards += 1
         choice = logits.argmax(-1).tolist()  # choice[i]: the target's token after tokens[-1], drafted[:i]
