@@ -175,3 +175,32 @@ def test_vision_refusals_name_the_fix(targets, data, tmp_path, capsys):
     assert "has no image processor" in capsys.readouterr().err
     with pytest.raises(UsageError, match="--min-pixels/--max-pixels: .* text-only target"):
         regenerate(RegenerateConfig(ensure_real_target(), str(data / "data.jsonl"), str(tmp_path / "t"), min_pixels=9))
+
+
+def test_regenerate_resumes_image_rows_with_their_pixel_settings(targets, data, tmp_path, monkeypatch, capsys):
+    import speccache.precompute.regenerate as module
+
+    t, out = targets["qwen2_5_vl"], tmp_path / "regen"
+    argv = ["regenerate", "--model", t["model"], "--data", str(data / "data.jsonl"), "--out", str(out)]
+    argv += ["--max-new-tokens", "4", "--part-size", "1", "--device", "cpu", "--quiet", "--max-pixels", "40000"]
+    whole = tmp_path / "whole"
+    assert main([*argv[:6], str(whole), *argv[7:]]) == 0
+    written = module._write_record
+
+    def stop_after_two_parts(path: str, record: dict) -> None:
+        written(path, record)
+        if len(record["parts"]) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "_write_record", stop_after_two_parts)
+    assert main(argv) != 0
+    monkeypatch.undo()
+    assert len(list(out.glob("part-*"))) == 2  # of three
+    capsys.readouterr()
+    # the pixel budget is the run's: another one is refused, naming the flag
+    assert main([*argv[:-1], "50000", "--resume"]) != 0
+    assert "--max-pixels is 50000" in capsys.readouterr().err
+    assert main([*argv, "--resume"]) == 0
+    assert [(out / p.name).read_bytes() for p in sorted(whole.glob("part-*"))] == [
+        p.read_bytes() for p in sorted(out.glob("part-*"))
+    ]
