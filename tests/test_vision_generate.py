@@ -173,6 +173,15 @@ def test_vision_refusals_name_the_fix(targets, data, tmp_path, capsys):
     argv = ["evaluate", t["draft"], "--cache", t["cache"], "--model", ensure_real_target(), "--device", "cpu"]
     assert main([*argv, "--quiet"]) != 0
     assert "has no image processor" in capsys.readouterr().err
+    # a pre-tokenized row whose ids hold an image must give the image beside them
+    from PIL import Image
+
+    messages = [{"role": "user", "content": [{"type": "image", "image": Image.open(data / "a.png")}]}]
+    ids = load_processor(t["model"]).apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"][0]
+    (tmp_path / "ids.jsonl").write_text(json.dumps({"input_ids": ids, "loss_mask": [1] * len(ids)}) + "\n")
+    argv = ["precompute", "--model", t["model"], "--data", str(tmp_path / "ids.jsonl"), "--out", str(tmp_path / "c")]
+    assert main([*argv, *AUX]) != 0
+    assert "its input_ids hold 1 image(s) but the row gives 0" in capsys.readouterr().err
     with pytest.raises(UsageError, match="--min-pixels/--max-pixels: .* text-only target"):
         regenerate(RegenerateConfig(ensure_real_target(), str(data / "data.jsonl"), str(tmp_path / "t"), min_pixels=9))
 
