@@ -420,6 +420,24 @@ def _load_processor_of_text_target() -> None:
     load_processor(ensure_demo_target(), max_pixels=1000)
 
 
+def _recorded_processor_of_text_target() -> None:
+    from speccache.data import recorded_processor
+    from speccache.demo import ensure_demo_target
+
+    recorded_processor(ensure_demo_target(), {"processor": "Qwen2_5_VLProcessor"}, "/cache")
+
+
+def _regenerated_image_column(env: Env) -> None:
+    """regenerate of a row whose image is a decoded column value (no JSON form to write back)."""
+    from PIL import Image
+
+    from speccache.precompute._regenerate_images import ImageTurns
+
+    user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}
+    row = {"messages": [user, {"role": "assistant", "content": "ok"}], "image": Image.new("RGB", (4, 4))}
+    ImageTurns(row, "rows.jsonl:1", None, str(env.tmp))
+
+
 def _images(env: Env, *parts: dict, **fields: Any) -> None:
     """An image row of a user message with ``parts`` (an assistant message after it), read for a vision target."""
     from PIL import Image
@@ -459,6 +477,8 @@ TRIGGERS: dict[str, T] = {
         {"conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "ok"}], "image": "a.png"}
     ),
     "has no image processor (a text-only target)": lambda e: _load_processor_of_text_target(),
+    "has no image processor, but": lambda e: _recorded_processor_of_text_target(),
+    "held as decoded pixels or bytes": lambda e: _regenerated_image_column(e),
     # following a cache while it is written
     "producer has started on this directory": _follow_an_empty_directory,
     "were reclaimed (deleted or moved": lambda e: CacheDataset(_reclaimed(e)),

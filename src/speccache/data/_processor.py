@@ -184,7 +184,7 @@ def recorded_processor(path: str, recorded: dict, what: str) -> Any:
             recorded one; ``what`` names the cache.
     """
     size = recorded.get("size", {})
-    budget = "shortest_edge" in size and "longest_edge" in size and "height" not in size
+    budget = "shortest_edge" in size and "longest_edge" in size  # Qwen-VL's (CLIP's has a shortest edge only)
     pixels = (size["shortest_edge"], size["longest_edge"]) if budget else (None, None)
     if not os.path.isdir(path) or vision_processor_class(path) is None:
         raise DataError(f"--model {path} has no image processor, but {what} is a vision-language target's cache; "
