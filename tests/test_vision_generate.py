@@ -104,6 +104,25 @@ def test_speculative_decoding_of_image_prompts_equals_the_targets_generate(famil
         for name, proposer in proposers.items():
             got, _ = speculative_generate(runner, prompt, proposer, 3, NEW, eos, inputs)
             assert got == want, name
+    if family == "gemma3":
+        return
+    # a proposer is handed the target's positions of the tokens it is given: the cached ones for the prompt (the
+    # model's get_rope_index), then one more on all three rows per generated token
+    seen: list[tuple[int, torch.Tensor]] = []
+
+    class Recording(PromptLookup):
+        def propose(self, tokens, aux, k, positions=None):
+            seen.append((len(tokens), positions))
+            return super().propose(tokens, aux, k)
+
+    cached = all_samples(t["cache"])[2]["positions"].long()
+    speculative_generate(runner, prompts[2], Recording(), 3, NEW, eos, images[2])
+    n, positions = seen[-1]
+    assert positions.shape == (n, 3) and n > len(prompts[2])
+    assert torch.equal(positions[: len(prompts[2])], cached[: len(prompts[2])])
+    after = positions[len(prompts[2]) :]
+    assert torch.equal(after[:, 0], int(cached[: len(prompts[2])].max()) + 1 + torch.arange(len(after)))
+    assert torch.equal(after, after[:, :1].expand(-1, 3))
 
 
 def test_evaluate_cli_decodes_an_image_cache(targets, tmp_path):
