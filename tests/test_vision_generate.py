@@ -232,3 +232,44 @@ def test_regenerate_resumes_image_rows_with_their_pixel_settings(targets, data, 
     assert [(out / p.name).read_bytes() for p in sorted(whole.glob("part-*"))] == [
         p.read_bytes() for p in sorted(out.glob("part-*"))
     ]
+
+
+def test_regenerate_a_later_turns_image_joins_the_prompt(targets, data, tmp_path, monkeypatch):
+    """A second user turn's image is expanded into the second prompt, and the prefill gets both images' pixels."""
+    from PIL import Image
+
+    import speccache.engines.hf_generate as module
+
+    t = targets["qwen2_5_vl"]
+    processor = load_processor(t["model"])
+    end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    answer = processor.tokenizer("A square.", add_special_tokens=False)["input_ids"] + [end]
+    seen: list[tuple[list[int], dict]] = []
+
+    def answering(model, prompts, generators, sampling, max_new_tokens, stop_ids, pad_id, on_tokens=None, images=None):
+        seen.extend(zip(prompts, images))
+        return [(answer, True) for _ in prompts]
+
+    monkeypatch.setattr(module, "generate_batch", answering)
+    row = _row(["a.png"], "What is red?", "A square.")
+    row["messages"] += _row(["b.png"], "And this?", "A line.")["messages"]
+    (tmp_path / "two.jsonl").write_text(json.dumps(row) + "\n")
+    argv = ["regenerate", "--model", t["model"], "--data", str(tmp_path / "two.jsonl"), "--out", str(tmp_path / "r")]
+    assert main([*argv, "--image-root", str(data), "--device", "cpu", "--quiet"]) == 0
+    (written,) = _parts(tmp_path / "r")
+    answered = {"role": "assistant", "content": "A square."}
+    assert written["messages"] == [row["messages"][0], answered, row["messages"][2], answered]
+    images = [Image.open(data / "a.png"), Image.open(data / "b.png")]
+    messages = [
+        {"role": "user", "content": [{"type": "image", "image": images[0]}, {"type": "text", "text": "What is red?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A square."}]},
+        {"role": "user", "content": [{"type": "image", "image": images[1]}, {"type": "text", "text": "And this?"}]},
+    ]
+    want = processor.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    (first, _), (second, pixels) = seen
+    assert list(second) == want["input_ids"][0].tolist() and list(second[: len(first)]) == list(first)
+    torch.testing.assert_close(pixels["pixel_values"], want["pixel_values"], atol=0, rtol=0)
+    assert torch.equal(pixels["image_grid_thw"], want["image_grid_thw"])
+    assert written["input_ids"] == [*second, *answer]
