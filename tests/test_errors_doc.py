@@ -45,7 +45,7 @@ from speccache.format.lock import LOCK_NAME
 from speccache.format.names import check_shard_size
 from speccache.format.shard import verify_tensor_checksums
 from speccache.format.view import View, source_record
-from speccache.methods.base import vision_inputs
+from speccache.methods.base import stores_vision_inputs
 from speccache.methods.eagle3 import read_side_file
 from speccache.methods.finite import check_nonfinite_mode, guard_nonfinite
 from speccache.methods.layers_producer import LayerSelection, preset_selection
@@ -424,6 +424,24 @@ def _load_processor_of_text_target() -> None:
     load_processor(ensure_demo_target(), max_pixels=1000)
 
 
+def _recorded_processor_of_text_target() -> None:
+    from speccache.data import recorded_processor
+    from speccache.demo import ensure_demo_target
+
+    recorded_processor(ensure_demo_target(), {"processor": "Qwen2_5_VLProcessor"}, "/cache")
+
+
+def _regenerated_image_column(env: Env) -> None:
+    """regenerate of a row whose image is a decoded column value (no JSON form to write back)."""
+    from PIL import Image
+
+    from speccache.precompute._regenerate_images import ImageTurns
+
+    user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}
+    row = {"messages": [user, {"role": "assistant", "content": "ok"}], "image": Image.new("RGB", (4, 4))}
+    ImageTurns(row, "rows.jsonl:1", None, str(env.tmp))
+
+
 def _images(env: Env, *parts: dict, **fields: Any) -> None:
     """An image row of a user message with ``parts`` (an assistant message after it), read for a vision target."""
     from PIL import Image
@@ -463,6 +481,8 @@ TRIGGERS: dict[str, T] = {
         {"conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "ok"}], "image": "a.png"}
     ),
     "has no image processor (a text-only target)": lambda e: _load_processor_of_text_target(),
+    "has no image processor, but": lambda e: _recorded_processor_of_text_target(),
+    "held as decoded pixels or bytes": lambda e: _regenerated_image_column(e),
     # following a cache while it is written
     "producer has started on this directory": _follow_an_empty_directory,
     "were reclaimed (deleted or moved": lambda e: CacheDataset(_reclaimed(e)),
@@ -549,7 +569,7 @@ TRIGGERS: dict[str, T] = {
         lambda e: make_merge_view([e.edit_manifest(e.cache(), lambda m: m.update(complete=False))], str(e.tmp / "v")),
     # vision-language targets
     "has no path for image rows": lambda e: refuse_vision(str(e.tmp), {"vision": {}}, "specforge", "none"),
-    "is a text-only target, whose cache has no vision inputs": lambda e: vision_inputs(
+    "is a text-only target, whose cache has no vision inputs": lambda e: stores_vision_inputs(
         SimpleNamespace(no_vision_inputs=True, model=str(e.tmp)), SimpleNamespace(), {}
     ),
     "holds no image_embeds (and the image token id) to merge": lambda e: check_draft_inputs(

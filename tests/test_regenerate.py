@@ -382,7 +382,7 @@ def test_thinking_answers_fill_reasoning_content_and_the_history_keeps_the_ids(t
     tokenizer = load_chat_tokenizer(target)
     said: list[list[int]] = []
 
-    def thinking(model, prompts, generators, sampling, max_new_tokens, stop_ids, pad_id, on_tokens=None):
+    def thinking(model, prompts, generators, sampling, max_new_tokens, stop_ids, pad_id, on_tokens=None, images=None):
         out = []
         for prompt in prompts:
             n = len(said)

@@ -11,9 +11,22 @@ rendering drops), ``_failure`` (``RowFailure``).
 
 from speccache.data._failure import RowFailure
 from speccache.data._files import data_root, file_content_hash, is_hub_id, iter_rows
-from speccache.data._images import sample_images
+from speccache.data._images import (
+    check_image_root,
+    has_images,
+    image_messages,
+    image_root_of,
+    row_images,
+    sample_images,
+)
 from speccache.data._messages import chat_messages
-from speccache.data._processor import ProcessorRecord, load_processor, processor_record, vision_processor_class
+from speccache.data._processor import (
+    ProcessorRecord,
+    load_processor,
+    processor_record,
+    recorded_processor,
+    vision_processor_class,
+)
 from speccache.data._samples import (
     DROPPED_MODES,
     DataStats,
@@ -32,12 +45,13 @@ from speccache.data._tokenizer import (
     load_tools_file,
     tokenizer_hash,
 )
-from speccache.data._vision import image_token_id
+from speccache.data._vision import MODALITY_KEYS, Vision, bare_images, image_count, image_token_id, processor_inputs
 from speccache.data.chat import load_samples, merge_parts, tokenize_row
 from speccache.data.template import REASONING_MODES, TURN_MODES, ChatFormat, chat_format, today
 
 __all__ = [
     "DROPPED_MODES",
+    "MODALITY_KEYS",
     "REASONING_MODES",
     "ChatFormat",
     "DataStats",
@@ -47,9 +61,12 @@ __all__ = [
     "SkippedRow",
     "TokenizedSample",
     "TokenizedSamples",
+    "Vision",
+    "bare_images",
     "chat_format",
     "chat_messages",
     "chat_template_of",
+    "check_image_root",
     "check_dropped_mode",
     "check_model_source",
     "data_root",
@@ -57,6 +74,10 @@ __all__ = [
     "load_chat_tokenizer",
     "load_processor",
     "file_content_hash",
+    "has_images",
+    "image_count",
+    "image_messages",
+    "image_root_of",
     "image_token_id",
     "is_hub_id",
     "iter_rows",
@@ -64,7 +85,10 @@ __all__ = [
     "load_template_file",
     "load_tools_file",
     "merge_parts",
+    "processor_inputs",
     "processor_record",
+    "recorded_processor",
+    "row_images",
     "sample_images",
     "TURN_MODES",
     "today",

@@ -12,7 +12,7 @@ from speccache.data._images import has_images
 from speccache.data._messages import chat_messages
 from speccache.data._mistral import MistralCommonFormat
 from speccache.data._samples import Sample
-from speccache.data._vision import Vision, encode_images
+from speccache.data._vision import Vision, encode_images, pretokenized_sources
 from speccache.data.template import ChatFormat, samples_and_text
 from speccache.errors import DataError
 
@@ -69,7 +69,8 @@ def encode(
         # The ids win over any chat text beside them: they are exactly what the model saw and wrote (rows of
         # speccache regenerate carry both), and its text re-tokenized may differ.
         ids, mask = _pretokenized(row, tokenizer, where)
-        return _pretokenized_turns(ids, mask, fmt), [], []
+        samples = _pretokenized_turns(ids, mask, fmt)
+        return samples, [], [] if vision is None else pretokenized_sources(row, samples, vision, where)
     if vision is None and has_images(row):
         raise row_error(
             f"{where}: the row has images, but the target has no image processor (a text-only model); "

@@ -32,7 +32,17 @@ from speccache.data._failure import RowFailure, row_error
 from speccache.data._files import iter_rows
 from speccache.data._messages import chat_messages
 
-__all__ = ["BAD_IMAGE", "IMAGE_MARKER", "RowImage", "has_images", "image_messages", "sample_images"]
+__all__ = [
+    "BAD_IMAGE",
+    "IMAGE_MARKER",
+    "RowImage",
+    "check_image_root",
+    "has_images",
+    "image_messages",
+    "image_root_of",
+    "row_images",
+    "sample_images",
+]
 
 IMAGE_MARKER = "<image>"
 BAD_IMAGE = "bad_image"  # the skip reason of a row whose image is missing or unreadable
@@ -67,6 +77,21 @@ def _is_image_part(part: Any) -> bool:
 
 def _is_video_part(part: Any) -> bool:
     return isinstance(part, dict) and (part.get("type") in _VIDEO_PARTS or "video" in part)
+
+
+def check_image_root(image_root: str | None) -> None:
+    """Refuse an ``--image-root`` that is not a directory.
+
+    Raises:
+        FileNotFoundError: naming the flag.
+    """
+    if image_root is not None and not os.path.isdir(image_root):
+        raise FileNotFoundError(f"--image-root {image_root}: no such directory")
+
+
+def image_root_of(data: str, image_root: str | None) -> str:
+    """The folder a row's relative image paths resolve against: ``--image-root``, else the data file's folder."""
+    return image_root or os.path.dirname(os.path.abspath(data))
 
 
 def has_images(row: Any) -> bool:
@@ -265,8 +290,7 @@ def sample_images(
             out.append(loader.load(source, source).image)
             continue
         if in_row is None:  # the row's own bytes: read it again, once per sample
-            row = next((r for n, r in iter_rows(data, split) if n == source_row), None)
-            in_row = {} if row is None else {i.source: i.image for i in image_messages(row, where, image_root)[2]}
+            in_row = {i.source: i.image for i in _reread(data, split, source_row, image_root)}
         if source not in in_row:
             raise RowFailure(
                 f"{where}: its image {source} is no longer in the row: --data changed while the run read it; "
@@ -275,3 +299,19 @@ def sample_images(
             )
         out.append(in_row[source])
     return out
+
+
+def _reread(data: str, split: str | None, source_row: int, image_root: str) -> list[RowImage]:
+    """The images of row ``source_row`` (0-based) of ``data``, read again (none if the row is gone)."""
+    row = next((r for n, r in iter_rows(data, split) if n == source_row), None)
+    return [] if row is None else image_messages(row, f"{data}:{source_row + 1}", image_root)[2]
+
+
+def row_images(data: str, split: str | None, source_row: int, image_root: str) -> list[Any]:
+    """The decoded images of row ``source_row`` (0-based) of ``data``, in the order its samples' image tokens
+    hold them, read again as precompute read the row (relative paths against ``image_root``).
+
+    Raises:
+        RowFailure: an image is missing or unreadable.
+    """
+    return [image.image for image in _reread(data, split, source_row, image_root)]

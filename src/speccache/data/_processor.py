@@ -18,7 +18,14 @@ from typing import Any
 
 from speccache.errors import DataError, UsageError
 
-__all__ = ["ProcessorRecord", "image_only", "load_processor", "processor_record", "vision_processor_class"]
+__all__ = [
+    "ProcessorRecord",
+    "image_only",
+    "load_processor",
+    "processor_record",
+    "recorded_processor",
+    "vision_processor_class",
+]
 
 _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 _PIXEL_SIZE_FLAGS = ("min_pixels", "max_pixels")
@@ -165,3 +172,29 @@ def processor_record(processor: Any) -> ProcessorRecord:
         backend="pil" if name.endswith("Pil") else "torchvision",
         size=_size_settings(image_processor),
     )
+
+
+def recorded_processor(path: str, recorded: dict, what: str) -> Any:
+    """The processor of model directory ``path`` set as a cache recorded it (``config.vision``: its size settings
+    applied as ``--min-pixels``/``--max-pixels`` where the processor has that budget), so that it makes the
+    pixels the cache's samples were computed with.
+
+    Raises:
+        DataError: ``path`` has no processor, or its processor (class, resizing backend, sizes) differs from the
+            recorded one; ``what`` names the cache.
+    """
+    size = recorded.get("size", {})
+    budget = "shortest_edge" in size and "longest_edge" in size  # Qwen-VL's (CLIP's has a shortest edge only)
+    pixels = (size["shortest_edge"], size["longest_edge"]) if budget else (None, None)
+    if not os.path.isdir(path) or vision_processor_class(path) is None:
+        raise DataError(f"--model {path} has no image processor, but {what} is a vision-language target's cache; "
+                        "give the target the cache was computed with")  # fmt: skip
+    processor = load_processor(path, *pixels)
+    have = processor_record(processor).as_dict()
+    differ = [f"{k} {recorded.get(k)!r} (now {v!r})" for k, v in have.items() if recorded.get(k) != v]
+    if differ:
+        raise DataError(
+            f"{what} was computed with another image processor: {'; '.join(differ)}; use the target and the "
+            "environment it was computed in (the torchvision backend resizes differently from pil)"
+        )
+    return processor

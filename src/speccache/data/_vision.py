@@ -11,20 +11,30 @@ changes, or a difference wider than 64 tokens (each image's run of image tokens 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from speccache.data._dropped import dropped_fields
-from speccache.data._failure import RowFailure, unplaceable
-from speccache.data._images import RowImage, image_messages
+from speccache.data._failure import RowFailure, row_error, unplaceable
+from speccache.data._images import RowImage, has_images, image_messages
 from speccache.data._mistral import MistralCommonFormat
 from speccache.data._samples import Sample
 from speccache.data.template import ChatFormat, masked_text
 from speccache.errors import DataError
 
-__all__ = ["Vision", "encode_images", "image_token_id"]
+__all__ = [
+    "MODALITY_KEYS",
+    "Vision",
+    "bare_images",
+    "encode_images",
+    "image_count",
+    "image_token_id",
+    "pretokenized_sources",
+    "processor_inputs",
+]
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,49 @@ def image_token_id(processor: Any) -> int:
     tokenizer = processor.tokenizer
     token = getattr(tokenizer, "image_token", None) or processor.image_token
     return int(tokenizer.convert_tokens_to_ids(token))
+
+
+MODALITY_KEYS = ("mm_token_type_ids", "token_type_ids")
+"""The processor outputs given per token (Qwen's, Gemma 3's); its other image outputs are per image."""
+_PIXEL_KEYS = ("pixel_values", "image_grid_thw")
+
+
+def image_count(ids: Sequence[int] | np.ndarray, image_token: int) -> int:
+    """How many images ``ids`` hold: the runs of ``image_token`` (every family writes text between two images'
+    tokens: Qwen's vision start and end, Gemma 3's start and end of image, LLaVA's newline)."""
+    at = np.asarray(ids) == image_token
+    return int(at[0]) + int((at[1:] & ~at[:-1]).sum()) if len(at) else 0
+
+
+def processor_inputs(processor: Any, ids: Sequence[int], images: list[Any], where: str) -> dict[str, Any]:
+    """What the target's forward takes for ``ids`` besides them: the processor's per-token modality ids for
+    ``ids`` and, for ``images`` (PIL images, in order; none for a text sample), the pixels and grids its chat
+    rendering made for them (torch tensors).
+
+    Raises:
+        DataError: the processor expands ``images`` into another number of image tokens than ``ids`` hold (the
+            images or the pixel settings changed since ``ids`` were made); ``where`` names the row.
+    """
+    import torch
+
+    out: dict[str, Any] = {}
+    modality = next((k for k in MODALITY_KEYS if k in processor.model_input_names), None)
+    if modality is not None:
+        out[modality] = torch.tensor(processor.create_mm_token_type_ids([list(ids)])[0], dtype=torch.int64)
+    if not images:
+        return out
+    # the processor's own call on its placeholders: the pixels (and grids) its chat rendering made
+    made = processor(text=[processor.image_token * len(images)], images=images, return_tensors="pt")
+    token = image_token_id(processor)
+    want, have = int((made["input_ids"] == token).sum()), int((np.asarray(ids) == token).sum())
+    if want != have:
+        raise DataError(
+            f"{where}: its {len(images)} image(s) now make {want} image tokens but the sample holds {have}: the "
+            "images or the processor changed since the row was read; rerun on unchanged images with the same "
+            "--min-pixels/--max-pixels"
+        )
+    out.update((k, v) for k, v in made.items() if k in _PIXEL_KEYS)
+    return out
 
 
 _ANCHOR = 4  # tokens that must agree for the two renderings to be back in step after an image
@@ -129,7 +182,7 @@ def encode_images(
     samples, sources, texts = [], [], []
     for turn, end, turns, name in prefixes if fmt.expand_turns else [(-1, len(messages), None, where)]:
         part = messages[:end]
-        ids, mask, text = masked_text(tokenizer, fmt, _bare(part), name, tools, turns)
+        ids, mask, text = masked_text(tokenizer, fmt, bare_images(part), name, tools, turns)
         expanded = _processor_ids(vision, fmt, part, tools, name)
         samples.append((turn, expanded, _carry(ids, mask, expanded, image_token_id(vision.processor), name)))
         sources.append(_sources(part, images))
@@ -138,7 +191,7 @@ def encode_images(
     return samples, dropped_fields(_as_text(kept), tools, "\n".join(texts)), sources
 
 
-def _bare(messages: list[dict]) -> list[dict]:
+def bare_images(messages: list[dict]) -> list[dict]:
     """The messages with each image part a bare placeholder, as the template sees it (no pixels)."""
     return [
         {**m, "content": [{"type": "image"} if p["type"] == "image" else p for p in m["content"]]}
@@ -161,3 +214,22 @@ def _as_text(messages: list[dict]) -> list[dict]:
         else m
         for m in messages
     ]
+
+
+def pretokenized_sources(row: dict, samples: list[Sample], vision: Vision, where: str) -> list[tuple[str, ...]]:
+    """Per sample of a pre-tokenized row, the sources of the images its ids hold: the row's images in order (a row
+    ``speccache regenerate`` wrote keeps its input's images beside the ids), as many as the sample's image runs.
+
+    Raises:
+        RowFailure: the row's images cannot be loaded, or are fewer than its ids hold.
+    """
+    images = image_messages(row, where, vision.image_root)[2] if has_images(row) else []
+    token = image_token_id(vision.processor)
+    out = []
+    for _, ids, _ in samples:
+        count = image_count(ids, token)
+        if count > len(images):
+            raise row_error(f"{where}: its input_ids hold {count} image(s) but the row gives {len(images)}; "
+                            "give the row's images beside its ids")  # fmt: skip
+        out.append(tuple(image.source for image in images[:count]))
+    return out

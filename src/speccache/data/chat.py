@@ -47,13 +47,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import os
 from collections.abc import Sequence
 from typing import Any
 
 from speccache.data._encode import encode
 from speccache.data._failure import RowFailure
 from speccache.data._files import raw_rows
+from speccache.data._images import image_root_of
 from speccache.data._mistral import MistralCommonFormat
 from speccache.data._pool import Encoder
 from speccache.data._samples import (
@@ -174,7 +174,7 @@ def load_samples(
         return builder.build(), stats
     fmt = fmt or _default_format(tokenizer)
     rows = (r for i, r in enumerate(raw_rows(path, split)) if i % world == rank)
-    root = image_root or os.path.dirname(os.path.abspath(path))
+    root = image_root_of(path, image_root)
     vision = None if processor is None else Vision(processor, root)
     with Encoder(tokenizer, fmt, num_proc, vision) as encoder:
         for row_no, where, encoded, error, dropped, images in encoder.encode(rows):

@@ -11,7 +11,7 @@ instance is one run's generator and starts the target only when first asked to g
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -80,11 +80,17 @@ class Generator(Protocol):
         it alone, not on the rows generated with it."""
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], streams: Sequence[Any], on_tokens: Callable[[int], None] | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        streams: Sequence[Any],
+        on_tokens: Callable[[int], None] | None = None,
+        images: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[Answer]:
         """The answer to each prompt (``streams[i]`` is prompt ``i``'s row's); starts the target when first called.
 
-        ``on_tokens(n)``, where given, is told of every ``n`` tokens generated as they come (for progress)."""
+        ``on_tokens(n)``, where given, is told of every ``n`` tokens generated as they come (for progress).
+        ``images``: a vision-language target's image inputs of each prompt (a batch of one each: the processor's
+        pixels, grids and per-token modality ids), given to a generator that runs such targets only."""
 
     def close(self) -> None:
         """Release what :meth:`generate` started (called whether the run succeeded or not)."""

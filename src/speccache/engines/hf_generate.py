@@ -6,20 +6,25 @@ The loop runs the model with a KV cache (transformers' ``DynamicCache``) over ba
 its batch (and the cache) when its answer ends, so the forwards shrink as answers end. Every row samples with
 its own ``torch.Generator`` (its stream), one uniform per generated token, so what a row gets does not depend
 on the rows batched with it (up to the rounding of batched matrix products).
+
+A vision-language target's prompts come with their image inputs, given to the prefill; an M-RoPE target's
+positions are its own ``get_rope_index`` of the padded batch, and each generated token's one more on all three
+rows, as transformers' ``generate`` counts them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from speccache.data import MODALITY_KEYS
 from speccache.devices import target_device
 from speccache.engines.generation import Answer, GenerationSettings
 from speccache.engines.hf import load_target
-from speccache.methods.decoder import cache_argument
+from speccache.methods.decoder import cache_argument, vision_inputs
 
 __all__ = ["HfGenerator", "Sampling", "generate_batch"]
 
@@ -62,11 +67,13 @@ def generate_batch(
     stop_ids: frozenset[int],
     pad_id: int,
     on_tokens: Callable[[int], None] | None = None,
+    images: Sequence[Mapping[str, torch.Tensor]] | None = None,
 ) -> list[tuple[list[int], bool]]:
     """Generate for left-padded ``prompts`` with a KV cache; per prompt ``(new ids, ended)``.
 
     ``ended``: the model emitted a stop token (the last id); otherwise the answer was cut at ``max_new_tokens``.
-    ``on_tokens(n)`` is told of each step's ``n`` new tokens (one per open row).
+    ``on_tokens(n)`` is told of each step's ``n`` new tokens (one per open row). ``images``: a vision-language
+    target's image inputs of each prompt (:meth:`HfGenerator.generate`), given to the prefill.
     """
     from transformers import DynamicCache
 
@@ -79,15 +86,25 @@ def generate_batch(
         attention[i, width - len(prompt) :] = 1
     ids, attention = ids.to(device), attention.to(device)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    inputs = {} if images is None else vision_inputs(model, ids, attention, _left_padded(images, width))
+    # an M-RoPE target's [3, B, T] positions: passed on every step, never left to the rope_deltas the model caches
+    positions = inputs.pop("position_ids", positions)
     cache = DynamicCache()
     kv = cache_argument(model, cache)
     logits = model(
-        input_ids=ids, attention_mask=attention, position_ids=positions, **kv, use_cache=True, logits_to_keep=1
+        input_ids=ids,
+        attention_mask=attention,
+        position_ids=positions,
+        **inputs,
+        **kv,
+        use_cache=True,
+        logits_to_keep=1,
     ).logits
     out: list[list[int]] = [[] for _ in prompts]
     open_rows = list(range(len(prompts)))  # the prompts still answering, in the order of the batch's rows
     stops = torch.tensor(sorted(stop_ids), device=device)
-    position = positions[:, -1:]
+    # a prompt ends in text, whose M-RoPE position is the prompt's largest on all three rows: generate's next one
+    position = positions[..., -1:]
     for step in range(max_new_tokens):
         # only open rows draw: a row's generator carries over to its next turn, whoever it was batched with
         chosen = sampling.choose(logits[:, -1], [generators[i] for i in open_rows])
@@ -102,7 +119,7 @@ def generate_batch(
             # rows that ended leave the batch (their cache rows too), so the forwards shrink as answers end
             keep = torch.tensor([k for k, stop in enumerate(ended) if not stop], device=device)
             cache.batch_select_indices(keep)
-            attention, position, chosen = attention[keep], position[keep], chosen[keep]
+            attention, position, chosen = attention[keep], position[..., keep, :], chosen[keep]
             open_rows = [i for i, stop in zip(open_rows, ended) if not stop]
         position = position + 1
         attention = torch.cat([attention, attention.new_ones((len(open_rows), 1))], dim=-1)
@@ -110,6 +127,19 @@ def generate_batch(
             input_ids=chosen.unsqueeze(-1), attention_mask=attention, position_ids=position, **kv, use_cache=True
         ).logits
     return [(o, bool(o) and o[-1] in stop_ids) for o in out]
+
+
+def _left_padded(images: Sequence[Mapping[str, torch.Tensor]], width: int) -> dict[str, torch.Tensor]:
+    """The prompts' image inputs as one batch: per-token modality ids ``[1, T]`` left-padded with 0 (text) to
+    ``width`` as the ids are, the pixels and grids concatenated in prompt order."""
+    out: dict[str, torch.Tensor] = {}
+    for key in {k for one in images for k in one}:
+        parts = [one[key] for one in images if key in one]
+        if key in MODALITY_KEYS:
+            out[key] = torch.cat([torch.nn.functional.pad(p, (width - p.shape[-1], 0)) for p in parts])
+        else:
+            out[key] = torch.cat(parts)
+    return out
 
 
 class HfGenerator:
@@ -139,7 +169,11 @@ class HfGenerator:
         return torch.Generator().manual_seed(seed)
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], streams: Sequence[Any], on_tokens: Callable[[int], None] | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        streams: Sequence[Any],
+        on_tokens: Callable[[int], None] | None = None,
+        images: Sequence[Mapping[str, torch.Tensor]] | None = None,
     ) -> list[Answer]:
         """The answers, batch after batch (the model is loaded at the first call)."""
         s = self.settings
@@ -157,6 +191,7 @@ class HfGenerator:
                 s.stop_ids,
                 s.pad_id,
                 on_tokens,
+                None if images is None else images[batch],
             )
         return answers
 

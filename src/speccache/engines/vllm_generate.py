@@ -18,11 +18,13 @@ generator's up to near-ties that rounding flips.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import xxhash
 
+from speccache.data import vision_processor_class
 from speccache.engines.generation import Answer, GenerationSettings
 from speccache.engines.vllm import (
     _DTYPES,
@@ -60,7 +62,14 @@ class VllmGenerator:
 
     @classmethod
     def check_flags(cls, config: Any) -> None:
-        """Refuse ``--device`` (vLLM runs on its own platform) and an environment without vLLM."""
+        """Refuse ``--device`` (vLLM runs on its own platform), a vision-language target and an environment
+        without vLLM."""
+        vision = vision_processor_class(config.model) if os.path.isdir(config.model) else None
+        if vision is not None:
+            raise UsageError(
+                f"--model {config.model} is a vision-language target ({vision}): --engine vllm does not answer its "
+                "image rows here (vLLM's vision-language modules need torchvision); use --engine hf"
+            )
         if config.device is not None:
             raise UsageError(
                 f"--device {config.device} is the hf engine's: vLLM runs the target on its own platform (the GPU "
@@ -98,10 +107,15 @@ class VllmGenerator:
         )
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], streams: Sequence[Any], on_tokens: Callable[[int], None] | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        streams: Sequence[Any],
+        on_tokens: Callable[[int], None] | None = None,
+        images: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[Answer]:
         """The answers of one ``vllm.LLM.generate`` call (vLLM starts at the first); ``on_tokens`` is told of each
-        answer's tokens as the call returns it (vLLM's own bar is off: the run's bar shows rows and tokens)."""
+        answer's tokens as the call returns it (vLLM's own bar is off: the run's bar shows rows and tokens).
+        ``images`` never comes: :meth:`check_flags` refuses a vision-language target."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

@@ -23,7 +23,7 @@ from speccache.methods.decoder import Capture, is_vision_language
 from speccache.write import Comm
 
 __all__ = [
-    "vision_inputs",
+    "stores_vision_inputs",
     "CaptureRequest",
     "LoadedTarget",
     "Method",
@@ -191,7 +191,7 @@ class Method(Protocol):
         """The tensors of its side file (called by the writing rank only)."""
 
 
-def vision_inputs(cfg: MethodSettings, model_config: Any, config: dict[str, Any]) -> bool:
+def stores_vision_inputs(cfg: MethodSettings, model_config: Any, config: dict[str, Any]) -> bool:
     """Whether a method stores a vision-language target's vision inputs (``image_embeds``, an M-RoPE target's
     ``positions``): yes, unless ``--no-vision-inputs``, which is recorded in the manifest's ``config`` (only when
     set, so that a resume compares it).

@@ -23,6 +23,7 @@ __all__ = [
     "batch_image_inputs",
     "cache_argument",
     "capture_batch",
+    "capture_next_inputs",
     "decoder_calls",
     "decoder_layers",
     "final_norm",
@@ -30,6 +31,7 @@ __all__ = [
     "is_mrope",
     "is_vision_language",
     "model_image_token_id",
+    "vision_inputs",
 ]
 
 
@@ -288,21 +290,10 @@ def _vision_forward(
     ``chunk``, an M-RoPE target's sequence longer than ``chunk`` runs in chunks (:func:`_vision_chunks`; the engine
     refuses the others).
     """
-    layers, norm = decoder_layers(model), final_norm(model)
     captured: dict[Hashable, torch.Tensor] = {}
-
-    def before(key: Hashable) -> Any:
-        def capture(_module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-            captured[key] = args[0] if args else kwargs["hidden_states"]
-
-        return capture
-
-    consumers = [*layers, norm]
-    handles = [
-        consumers[index + 1].register_forward_pre_hook(before(key), with_kwargs=True) for key, index in outputs.items()
-    ]
+    handles = capture_next_inputs(model, outputs, captured)
     if input_of_first is not None:
-        handles.append(layers[0].register_forward_pre_hook(before(input_of_first), with_kwargs=True))
+        handles += capture_next_inputs(model, {input_of_first: -1}, captured)
     base: Any = model.model  # the ForConditionalGeneration's vision-language model
     at_image = (input_ids == model_image_token_id(model.config)).unsqueeze(-1)
 
@@ -316,18 +307,8 @@ def _vision_forward(
 
     merged_hook = base.language_model.register_forward_pre_hook(merged, with_kwargs=True)
     handles.append(merged_hook)
-    dtype = next(model.parameters()).dtype
-    inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in image_inputs.items()}
     try:
-        if is_mrope(model.config):
-            modality = inputs.pop("mm_token_type_ids", None)
-            positions, _ = base.get_rope_index(
-                input_ids,
-                mm_token_type_ids=torch.zeros_like(input_ids) if modality is None else modality,
-                image_grid_thw=inputs.get("image_grid_thw"),
-                attention_mask=attention_mask,
-            )
-            inputs["position_ids"] = positions
+        inputs = vision_inputs(model, input_ids, attention_mask, image_inputs)
         if chunk is not None and input_ids.shape[1] > chunk:
             merged_hook.remove()  # the chunks call the language model once each, a chunk of the embeddings at a time
             last, got, embeds = _vision_chunks(model, input_ids, attention_mask, inputs, chunk, captured)
@@ -341,6 +322,49 @@ def _vision_forward(
     finally:
         for h in handles:
             h.remove()
+
+
+def vision_inputs(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_inputs: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The keywords of a vision-language target's forward over ``input_ids`` besides the ids and the mask: the
+    :data:`IMAGE_INPUTS` on the model's device (pixels in its dtype), and for an M-RoPE target ``position_ids``
+    ``[3, B, T]`` from the model's own ``get_rope_index``, so that no forward reads the ``rope_deltas`` the model
+    caches from an earlier call."""
+    parameter = next(model.parameters())
+    inputs = {
+        k: v.to(parameter.device, parameter.dtype if v.is_floating_point() else v.dtype)
+        for k, v in image_inputs.items()
+    }
+    if is_mrope(model.config):
+        modality = inputs.pop("mm_token_type_ids", None)
+        base: Any = model.model  # the ForConditionalGeneration's vision-language model
+        inputs["position_ids"] = base.get_rope_index(
+            input_ids,
+            mm_token_type_ids=torch.zeros_like(input_ids) if modality is None else modality,
+            image_grid_thw=inputs.get("image_grid_thw"),
+            attention_mask=attention_mask,
+        )[0]
+    return inputs
+
+
+def capture_next_inputs(
+    model: nn.Module, outputs: Mapping[Hashable, int], captured: dict[Hashable, torch.Tensor]
+) -> list[Any]:
+    """Hooks that put decoder layer ``index``'s output into ``captured[key]`` as the next module reads it (layer
+    ``index + 1``'s input, or the final norm's; ``index`` -1: the first layer's input): Qwen3-VL adds its
+    deepstack image features after a layer's forward, and vLLM's EAGLE-3 capture, like the next layer, sees the
+    sum. Returns the handles to remove."""
+    layers = decoder_layers(model)
+    consumers = [*layers, final_norm(model)] if max(outputs.values(), default=0) + 1 >= len(layers) else layers
+
+    def before(key: Hashable) -> Any:
+        def capture(_module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+            captured[key] = args[0] if args else kwargs["hidden_states"]
+
+        return capture
+
+    return [consumers[i + 1].register_forward_pre_hook(before(k), with_kwargs=True) for k, i in outputs.items()]
 
 
 class _LanguageModelCall(Exception):

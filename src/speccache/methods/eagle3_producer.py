@@ -36,8 +36,8 @@ from speccache.methods.base import (
     MethodSettings,
     PrePass,
     model_config_hash,
+    stores_vision_inputs,
     text_config,
-    vision_inputs,
 )
 from speccache.methods.decoder import (
     IMAGE_EMBEDS,
@@ -481,7 +481,7 @@ class Eagle3Method:
                 "cache": os.path.abspath(borrow_from),
                 "selected_token_ids_xxh3_128": tensor_checksum(borrowed),
             }
-        stores_vision = vision_inputs(cfg, model_config, config)
+        stores_vision = stores_vision_inputs(cfg, model_config, config)
         tied = ties_embeddings(model_config)
         return MethodPlan(
             schema=eagle3_schema(

@@ -24,8 +24,8 @@ from speccache.methods.base import (
     MethodPlan,
     MethodSettings,
     PrePass,
+    stores_vision_inputs,
     text_config,
-    vision_inputs,
 )
 from speccache.methods.decoder import (
     POSITIONS,
@@ -340,7 +340,7 @@ class LayersMethod:
         selection = preset_selection(cfg.method, num_layers, cfg.layers, cfg.last_hidden, cfg.last_prenorm)
         features = selection.features()
         config = selection.manifest_config(model_config)
-        positions = vision_inputs(cfg, model_config, config) and is_mrope(model_config)
+        positions = stores_vision_inputs(cfg, model_config, config) and is_mrope(model_config)
         return MethodPlan(
             schema=layers_schema(selection, int(text.hidden_size), dtype, cfg.encodings, positions),
             config=config,

@@ -12,15 +12,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from speccache.data import TokenizedSamples, image_token_id, sample_images
-from speccache.errors import DataError
+from speccache.data import MODALITY_KEYS, TokenizedSamples, processor_inputs, sample_images
 from speccache.format import SAMPLE_TURN_KEY
 from speccache.methods.decoder import IMAGE_INPUTS
 from speccache.precompute.append import AppendedDataset, AppendPlan
 
 __all__ = ["ImageInputs", "TokenizedDataset", "batch_pad_id", "pad_tokens", "sample_length", "token_loader"]
-
-_MODALITY_KEYS = ("mm_token_type_ids", "token_type_ids")  # per token (padded); the other IMAGE_INPUTS per image
 
 
 @dataclass(frozen=True)
@@ -47,25 +44,8 @@ class ImageInputs:
             DataError: an image is gone, or the processor now expands the images into another number of tokens
                 than the sample's ids hold.
         """
-        out: dict[str, torch.Tensor] = {}
-        modality = next((k for k in _MODALITY_KEYS if k in self.processor.model_input_names), None)
-        if modality is not None:
-            out[modality] = torch.tensor(self.processor.create_mm_token_type_ids([ids.tolist()])[0], dtype=torch.int64)
-        if not sources:
-            return out
-        images = sample_images(sources, source_row, self.data, self.split, self.image_root)
-        # the processor's own call on its placeholders: the pixels (and grids) its chat rendering made
-        made = self.processor(text=[self.processor.image_token * len(images)], images=images, return_tensors="pt")
-        token = image_token_id(self.processor)
-        want, have = int((made["input_ids"] == token).sum()), int((ids == token).sum())
-        if want != have:
-            raise DataError(
-                f"{self.data}:{source_row + 1}: its {len(images)} image(s) now make {want} image tokens but the "
-                f"sample holds {have}: the images or the processor changed since the row was read; rerun on "
-                "unchanged images with the same --min-pixels/--max-pixels"
-            )
-        out.update((k, v) for k, v in made.items() if k in IMAGE_INPUTS and k not in _MODALITY_KEYS)
-        return out
+        images = sample_images(sources, source_row, self.data, self.split, self.image_root) if sources else []
+        return processor_inputs(self.processor, ids.tolist(), images, f"{self.data}:{source_row + 1}")
 
 
 class TokenizedDataset(Dataset):
@@ -120,13 +100,13 @@ def pad_tokens(items: list[dict[str, torch.Tensor]], pad_id: int = 0) -> dict[st
         # an append's batch may mix stored samples (the keys their schema has) with new ones
         if all(key in t for t in items):
             batch[key] = torch.stack([t[key] for t in items])
-    for key in _MODALITY_KEYS:
+    for key in MODALITY_KEYS:
         if key in items[0]:
             batch[key] = torch.zeros((len(items), longest), dtype=torch.int64)
             for i, t in enumerate(items):
                 batch[key][i, : t[key].numel()] = t[key]
     for key in IMAGE_INPUTS:
-        parts = [t[key] for t in items if key in t and key not in _MODALITY_KEYS]
+        parts = [t[key] for t in items if key in t and key not in MODALITY_KEYS]
         if parts:
             batch[key] = torch.cat(parts)
     return batch

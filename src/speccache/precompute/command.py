@@ -23,6 +23,13 @@ from speccache.write import init_from_env, shutdown
 __all__ = ["add_precompute_arguments", "describe_interrupted", "register_commands", "resume_argv"]
 
 
+def add_image_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of a vision-language target's image rows (``precompute``, ``estimate``, ``regenerate``)."""
+    p.add_argument("--image-root", help="the folder relative image paths in rows resolve against (default: the data's)")
+    p.add_argument("--min-pixels", type=int, help="a Qwen-VL target's least pixels per image (size.shortest_edge)")
+    p.add_argument("--max-pixels", type=int, help="a Qwen-VL target's most pixels per image (size.longest_edge)")
+
+
 def add_precompute_arguments(p: argparse.ArgumentParser) -> None:
     """The flags shared by ``precompute`` and ``estimate``: every flag that can change what a run writes.
 
@@ -84,9 +91,7 @@ def add_precompute_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", help="a Jinja chat template file to use instead of the tokenizer's")
     p.add_argument("--system-prompt", help="a system message added to rows that have none")
     p.add_argument("--num-proc", type=int, help="tokenizer processes (default: this rank's share of the cores, <= 8)")
-    p.add_argument("--image-root", help="the folder relative image paths in rows resolve against (default: the data's)")
-    p.add_argument("--min-pixels", type=int, help="a Qwen-VL target's least pixels per image (size.shortest_edge)")
-    p.add_argument("--max-pixels", type=int, help="a Qwen-VL target's most pixels per image (size.longest_edge)")
+    add_image_arguments(p)
     p.add_argument(
         "--no-vision-inputs",
         action="store_true",

@@ -11,7 +11,15 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from speccache.data import REASONING_MODES, TURN_MODES, check_dropped_mode, check_model_source, data_root, is_hub_id
+from speccache.data import (
+    REASONING_MODES,
+    TURN_MODES,
+    check_dropped_mode,
+    check_image_root,
+    check_model_source,
+    data_root,
+    is_hub_id,
+)
 from speccache.devices import DTYPES, dtype_name
 from speccache.engines.registry import DEFAULT_ENGINE, engine_class
 from speccache.errors import DataError, UsageError
@@ -168,8 +176,7 @@ class PrecomputeConfig:
             raise FileNotFoundError(f"--chat-template {self.chat_template}: no such file")
         if self.tools is not None and not os.path.isfile(self.tools):
             raise FileNotFoundError(f"--tools {self.tools}: no such file")
-        if self.image_root is not None and not os.path.isdir(self.image_root):
-            raise FileNotFoundError(f"--image-root {self.image_root}: no such directory")
+        check_image_root(self.image_root)
         if self.turns not in TURN_MODES:
             raise UsageError(f"--turns {self.turns!r} is unknown; choose one of {', '.join(TURN_MODES)}")
         if self.num_proc is not None and self.num_proc < 1:

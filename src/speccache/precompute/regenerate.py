@@ -33,12 +33,16 @@ from typing import Any
 import xxhash
 
 from speccache.data import (
+    Vision,
     chat_format,
     chat_messages,
+    check_image_root,
     check_model_source,
     file_content_hash,
+    image_root_of,
     iter_rows,
     load_chat_tokenizer,
+    load_processor,
     tokenizer_hash,
 )
 from speccache.data.regenerated import (
@@ -58,6 +62,8 @@ from speccache.errors import CacheCorruptError, CacheExistsError, ConfigMismatch
 from speccache.format import durable
 from speccache.format.durable import ensure_writable_dir, file_checksum, remove_temp_files, writes_to
 from speccache.format.lock import CacheLock
+from speccache.precompute._regenerate_images import ImageTurns
+from speccache.precompute.command import add_image_arguments
 from speccache.units import counted
 
 __all__ = ["RegenerateConfig", "RegenerateResult", "regenerate", "register_commands"]
@@ -81,6 +87,9 @@ RESUME_SETTINGS = (
     "model_dtype",
     "engine",
     "part_size",
+    "image_root",
+    "min_pixels",
+    "max_pixels",
 )
 """What a ``--resume`` compares with the run it continues (the batch size, device and engine version are not
 among them: a row's output does not depend on them, up to floating-point rounding)."""
@@ -110,6 +119,9 @@ class RegenerateConfig:
     engine: str = "hf"
     gpu_memory_utilization: float | None = None
     part_size: int = 256
+    image_root: str | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
     progress: bool = field(default=False, repr=False)
     """Show the progress bar on stderr (the CLI's, unless ``--quiet``)."""
 
@@ -133,6 +145,7 @@ class RegenerateConfig:
         if self.top_k < 0:
             raise UsageError(f"--top-k must be >= 0 (0: no top-k), got {self.top_k}")
         check_device(self.device)
+        check_image_root(self.image_root)
         check_gpu_memory_utilization(self.gpu_memory_utilization, self.engine)
         generator_class(self.engine).check_flags(self)
 
@@ -166,7 +179,15 @@ class _Row:
     """One data row being regenerated: the messages so far, the exact ids and mask, what is left to answer."""
 
     def __init__(
-        self, number: int, source_row: int, where: str, row: dict, fmt: ChatFormat, tokenizer: Any, stream: Any
+        self,
+        number: int,
+        source_row: int,
+        where: str,
+        row: dict,
+        fmt: ChatFormat,
+        tokenizer: Any,
+        stream: Any,
+        vision: Vision | None = None,
     ) -> None:
         if "messages" not in row and "conversations" not in row:
             raise DataError(
@@ -174,8 +195,15 @@ class _Row:
                 "has no turns to answer: give the chat rows it was made from"
             )
         self.number, self.source_row, self.where = number, source_row, where
-        self.pending, self.tools = chat_messages(row, where)
+        # a vision-language target's rows, with images or without, are tokenized by its processor, as precompute's
+        self.images = None if vision is None else ImageTurns(row, where, vision.processor, vision.image_root)
+        if self.images is None:
+            self.pending, self.tools = chat_messages(row, where)
+            self.shown = list(self.pending)
+        else:
+            self.pending, self.tools, self.shown = list(self.images.messages), self.images.tools, self.images.shown
         self.tools = fmt.tools if self.tools is None else self.tools
+        self.written: list[dict] = []  # the messages as the output row gives them
         self.fmt, self.tokenizer = fmt, tokenizer
         self.messages: list[dict] = []
         self.ids: list[int] = []
@@ -191,8 +219,10 @@ class _Row:
         """Keep the input's turns up to its next assistant turn, and prompt for that turn (or finish)."""
         while self.pending and self.pending[0]["role"] != "assistant":
             self.messages.append(self.pending.pop(0))
+            self.written.append(self.shown.pop(0))
         if self.pending:
             self.pending.pop(0)  # replaced by the model's answer
+            self.shown.pop(0)
         elif not self.messages or self.messages[-1]["role"] == "assistant":
             self.done = True
             return
@@ -201,7 +231,10 @@ class _Row:
         else:
             text = text_after_turn(self.fmt, self.messages, self.where, self.tools)
         self.prompt_text = text
-        prompt = self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        if self.images is None:
+            prompt = self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        else:
+            prompt = self.images.tokens(text, self.messages)
         self.ids += prompt
         self.mask += [0] * len(prompt)
 
@@ -215,6 +248,7 @@ class _Row:
         if reasoning is not None:
             message["reasoning_content"] = reasoning
         self.messages.append(message)
+        self.written.append(message)
         self.turns += 1
         if ended:
             self._advance()
@@ -224,7 +258,7 @@ class _Row:
 
     def to_json(self) -> dict[str, Any]:
         """The output row (docs/data.md, "Regenerating answers")."""
-        row: dict[str, Any] = {"messages": self.messages}
+        row: dict[str, Any] = {"messages": self.written, **({} if self.images is None else self.images.fields)}
         if self.tools is not None:
             row["tools"] = self.tools
         row |= {"input_ids": self.ids, "loss_mask": self.mask, "source_row": self.source_row}
@@ -242,7 +276,10 @@ def _part_rows(rows: list[_Row], generator: Generator, progress: _Progress) -> N
         todo = sorted((r for r in rows if not r.done), key=lambda r: (len(r.ids), r.number))
         if not todo:
             return
-        answers = generator.generate([r.ids for r in todo], [r.stream for r in todo], progress.tokens)
+        # image inputs go to a vision-language target's generator only: a text generator keeps its three arguments
+        inputs = [r.images.inputs(r.ids) for r in todo if r.images is not None]
+        images = {"images": inputs} if inputs else {}
+        answers = generator.generate([r.ids for r in todo], [r.stream for r in todo], progress.tokens, **images)
         for r, (new_ids, ended) in zip(todo, answers):
             r.answer(new_ids, ended)
         progress.rows(sum(r.done for r in todo))
@@ -298,6 +335,10 @@ def _settings(config: RegenerateConfig, fmt: ChatFormat, tokenizer: Any) -> dict
         "engine": config.engine,
         "engine_version": generator_class(config.engine).version(),
         "part_size": config.part_size,
+        # a vision-language target's rows' images: where they are found, and how large the processor makes them
+        "image_root": None if config.image_root is None else os.path.abspath(config.image_root),
+        "min_pixels": config.min_pixels,
+        "max_pixels": config.max_pixels,
     }
 
 
@@ -363,6 +404,10 @@ def regenerate(config: RegenerateConfig) -> RegenerateResult:
     check_model_source(config.model)
     ensure_writable_dir(out)
     tokenizer = load_chat_tokenizer(config.model, config.chat_template)
+    processor = (
+        load_processor(config.model, config.min_pixels, config.max_pixels) if os.path.isdir(config.model) else None
+    )
+    vision = None if processor is None else Vision(processor, image_root_of(config.data, config.image_root))
     fmt = chat_format(tokenizer, config.chat_template)
     if not isinstance(fmt, ChatFormat):
         raise DataError(
@@ -382,14 +427,16 @@ def regenerate(config: RegenerateConfig) -> RegenerateResult:
         record["settings"] = settings
         record["run"] = {"batch_size": config.batch_size, "device": config.device}
         if not record["complete"]:
-            _run(config, fmt, tokenizer, out, record)
+            _run(config, fmt, tokenizer, out, record, vision)
     counts = record["counts"]
     return RegenerateResult(
         out, counts["rows"], counts["turns"], counts["generated_tokens"], counts["truncated_rows"], len(record["parts"])
     )
 
 
-def _run(config: RegenerateConfig, fmt: ChatFormat, tokenizer: Any, out: str, record: dict[str, Any]) -> None:
+def _run(
+    config: RegenerateConfig, fmt: ChatFormat, tokenizer: Any, out: str, record: dict[str, Any], vision: Vision | None
+) -> None:
     done = len(record["parts"])
     rows = itertools.islice(_rows(config), done * config.part_size, None)
 
@@ -419,7 +466,9 @@ def _run(config: RegenerateConfig, fmt: ChatFormat, tokenizer: Any, out: str, re
 
     def next_part() -> list[_Row]:
         return [
-            _Row(number, source_row, where, row, fmt, tokenizer, generator.stream(row_seed(config.seed, number)))
+            _Row(
+                number, source_row, where, row, fmt, tokenizer, generator.stream(row_seed(config.seed, number)), vision
+            )
             for number, source_row, where, row in itertools.islice(rows, config.part_size)
         ]
 
@@ -514,6 +563,7 @@ def add_regenerate_arguments(p: argparse.ArgumentParser) -> None:
         "--engine", default="hf", choices=sorted(GENERATORS), help="hf (default: transformers' loop) or vllm (vLLM)"
     )
     add_gpu_memory_utilization_argument(p)
+    add_image_arguments(p)
     p.add_argument("--part-size", type=int, default=256, help="rows per part file (default 256)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
 

@@ -30,6 +30,7 @@ from speccache.data import (
     TokenizedSamples,
     chat_format,
     file_content_hash,
+    image_root_of,
     is_hub_id,
     load_chat_tokenizer,
     load_processor,
@@ -221,10 +222,9 @@ def make_plan(cfg: PrecomputeConfig, comm: Comm | None = None) -> Plan:
 def _vision_config(cfg: PrecomputeConfig, processor: Any, model_config: Any) -> dict[str, Any]:
     """What makes a vision-language target's pixels and finds its images, and the id of its image tokens (the
     manifest's ``config.vision``)."""
-    root = cfg.image_root or os.path.dirname(os.path.abspath(cfg.data))
     return {
         **processor_record(processor).as_dict(),
-        "image_root": os.path.abspath(root),
+        "image_root": os.path.abspath(image_root_of(cfg.data, cfg.image_root)),
         "image_token_id": model_image_token_id(model_config),
     }
 

@@ -94,6 +94,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         TargetRunner,
         eos_ids,
         eval_prompts,
+        image_prompts,
         speculative,
         teacher_forced,
     )
@@ -110,17 +111,32 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         steps = " ".join(f"{p:.3f}" for p in r["per_step"])
         print(f"  {name:<14} per-step acceptance {steps}  mean accepted length {r['mean_accepted']:.3f}")
     if args.model:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=model_dtype)
+        from speccache.format import Manifest
+
+        # a vision-language target's cache records how its pixels were made: its prompts decode with their images
+        vision = "vision" in Manifest.read(args.cache).config
+        images = image_prompts(args.cache, args.prompts, args.model) if vision else None
+        loader = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = loader.from_pretrained(args.model, dtype=model_dtype)
         # PreTrainedModel.to is declared through functools.wraps(nn.Module.to), whose stub loses the bound self
         cast(torch.nn.Module, model).to(device)
         runner = TargetRunner(model, draft.config.aux_layers)
-        prompts = eval_prompts(args.cache, args.prompts)
+        prompts = eval_prompts(args.cache, args.prompts) if images is None else images[0]
         proposers: dict[str, Proposer] = {"draft": DraftProposer(draft), "prompt_lookup": PromptLookup()}
         if ngram is not None:
             proposers["ngram"] = ngram
-        spec = speculative(runner, prompts, proposers, args.k, args.max_new_tokens, eos_ids(model), not args.quiet)
+        spec = speculative(
+            runner,
+            prompts,
+            proposers,
+            args.k,
+            args.max_new_tokens,
+            eos_ids(model),
+            not args.quiet,
+            None if images is None else images[1],
+        )
         report["speculative"] = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, **spec}
         print(f"speculative greedy decoding, {len(prompts)} prompts, k={args.k}, max {args.max_new_tokens} new tokens:")
         for name, r in spec.items():

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from torch import nn
 
-from speccache.methods.decoder import cache_argument, decoder_layers
+from speccache.data import MODALITY_KEYS, image_count, image_token_id, processor_inputs, recorded_processor, row_images
+from speccache.format import Manifest
+from speccache.methods.decoder import cache_argument, capture_next_inputs, vision_inputs
 from speccache.methods.eagle3 import Eagle3CacheDataset, TargetHead, build_eagle3_dataloader, draft_view
 
 if TYPE_CHECKING:
@@ -42,15 +43,23 @@ __all__ = [
     "acceptance",
     "eos_ids",
     "eval_prompts",
+    "following_positions",
+    "image_prompts",
     "speculative_generate",
     "teacher_forced",
 ]
 
 
 class Proposer(Protocol):
-    """Drafts up to ``k`` next tokens of ``tokens``; ``aux`` holds the target's aux rows of ``tokens[:-1]``."""
+    """Drafts up to ``k`` next tokens of ``tokens``; ``aux`` holds the target's aux rows of ``tokens[:-1]``.
 
-    def propose(self, tokens: Sequence[int], aux: torch.Tensor, k: int) -> list[int]: ...
+    ``positions``, given for an M-RoPE target only, are the target's ``[len(tokens), 3]`` positions of ``tokens``
+    (temporal, height, width: the model's own ``get_rope_index`` for the prompt, then one more on all three rows
+    per generated token), for a draft that rotates as its target does."""
+
+    def propose(
+        self, tokens: Sequence[int], aux: torch.Tensor, k: int, positions: torch.Tensor | None = None
+    ) -> list[int]: ...
 
 
 class PromptLookup:
@@ -59,7 +68,9 @@ class PromptLookup:
     def __init__(self, max_ngram: int = 3) -> None:
         self.max_ngram = max_ngram
 
-    def propose(self, tokens: Sequence[int], aux: torch.Tensor | None, k: int) -> list[int]:
+    def propose(
+        self, tokens: Sequence[int], aux: torch.Tensor | None, k: int, positions: torch.Tensor | None = None
+    ) -> list[int]:
         """Up to ``k`` tokens (none when no suffix of up to ``max_ngram`` tokens occurred before)."""
         seq = list(tokens)
         for n in range(min(self.max_ngram, len(seq) - 1), 0, -1):
@@ -98,7 +109,9 @@ class NgramTable:
         found = self.tri.get((a, b)) if a is not None else None
         return found if found is not None else self.bi.get(b)
 
-    def propose(self, tokens: Sequence[int], aux: torch.Tensor | None, k: int) -> list[int]:
+    def propose(
+        self, tokens: Sequence[int], aux: torch.Tensor | None, k: int, positions: torch.Tensor | None = None
+    ) -> list[int]:
         """Up to ``k`` tokens, each predicted from the two before it."""
         seq = list(tokens)
         out: list[int] = []
@@ -139,8 +152,12 @@ class DraftProposer:
         return int(same.long().cumprod(0).sum())
 
     @torch.no_grad()
-    def propose(self, tokens: Sequence[int], aux: torch.Tensor, k: int) -> list[int]:
-        """Up to ``k`` tokens (target ids)."""
+    def propose(
+        self, tokens: Sequence[int], aux: torch.Tensor, k: int, positions: torch.Tensor | None = None
+    ) -> list[int]:
+        """Up to ``k`` tokens (target ids). Slot ``j`` sits at the position of the state it reads, as vLLM's proposer
+        places it: ``j`` for a 1-D draft; for an M-RoPE draft (trained on ``positions``) the target's
+        ``positions[j]``, each drafted token one past the last verified slot's on all three rows."""
         draft = self.draft
         device = draft.fc.weight.device
         ids = torch.tensor(list(tokens[1:]), dtype=torch.long, device=device)
@@ -149,8 +166,11 @@ class DraftProposer:
         keep = min(self._cached_prefix(ids, aux), len(ids) - 1)
         self.cache.crop(keep - self.cache.get_seq_length())
         slots = torch.arange(keep, len(ids), device=device)
+        # the positions of the slots' states: the target's own for an M-RoPE draft, else the slot indices
+        where = positions.to(device).long()[: len(ids)] if positions is not None and draft.uses_mrope else None
         mask = slots[:, None] >= torch.arange(len(ids), device=device)[None, :]
-        state = draft.layer(draft.embed_tokens(ids[keep:])[None], draft.fc(aux[keep:])[None], slots, mask, self.cache)
+        at = slots if where is None else where[keep:]
+        state = draft.layer(draft.embed_tokens(ids[keep:])[None], draft.fc(aux[keep:])[None], at, mask, self.cache)
         state = state[:, -1:]
         out: list[int] = []
         for position in range(len(ids), len(ids) + k):
@@ -160,40 +180,64 @@ class DraftProposer:
                 break
             every = torch.ones(1, position + 1, dtype=torch.bool, device=device)
             embeds = draft.embed_tokens(torch.tensor([[token]], device=device))
-            state = draft.layer(embeds, state, torch.tensor([position], device=device), every, self.cache)
+            step = position - len(ids) + 1  # the drafted token's distance from the last verified slot
+            at = torch.tensor([position], device=device) if where is None else (where[-1] + step)[None]
+            state = draft.layer(embeds, state, at, every, self.cache)
         self.cache.crop(len(ids) - self.cache.get_seq_length())
         self._ids, self._aux = ids, aux
         return out
 
 
 class TargetRunner:
-    """The HF target with a KV cache, returning its logits and the concatenated aux-layer outputs of new tokens."""
+    """The HF target with a KV cache, returning its logits and the concatenated aux-layer outputs of new tokens.
+
+    Aux layer ``k`` is read as the next module reads it (:func:`capture_next_inputs`), as precompute caches it:
+    for a text target that is layer ``k``'s output; a vision-language target's prompt (:meth:`prefill` with its
+    image inputs) sees Qwen3-VL's deepstack image features added.
+    """
 
     def __init__(self, model: PreTrainedModel, aux_layers: Sequence[int]) -> None:
         self.model = model.eval()
-        self.layers = decoder_layers(model)
         self.aux_layers = list(aux_layers)
 
     @torch.no_grad()
-    def __call__(self, ids: Sequence[int], cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logits [n, V] fp32, aux [n, 3H])`` of ``ids`` appended to ``cache``."""
-        captured: dict[int, torch.Tensor] = {}
-
-        def hook(index: int) -> Any:
-            def capture(_module: nn.Module, _args: Any, output: Any) -> None:
-                captured[index] = output[0] if isinstance(output, tuple) else output
-
-            return capture
-
-        handles = [self.layers[i].register_forward_hook(hook(i)) for i in self.aux_layers]
+    def __call__(
+        self, ids: Sequence[int], cache: Any, positions: torch.Tensor | None = None, **inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits [n, V] fp32, aux [n, 3H])`` of ``ids`` appended to ``cache``; ``positions`` ``[n, 3]``: an
+        M-RoPE target's (else the model counts on from the cache); ``inputs``: the prompt's image inputs."""
+        captured: dict[Hashable, torch.Tensor] = {}
+        handles = capture_next_inputs(self.model, {i: i for i in self.aux_layers}, captured)
         try:
             input_ids = torch.tensor([list(ids)], device=self.model.device)
-            out = self.model(input_ids=input_ids, **cache_argument(self.model, cache), use_cache=True)
+            if positions is not None:
+                inputs["position_ids"] = positions.T[:, None].to(self.model.device)
+            out = self.model(input_ids=input_ids, **inputs, **cache_argument(self.model, cache), use_cache=True)
         finally:
             for handle in handles:
                 handle.remove()
         aux = torch.cat([captured[i][0] for i in self.aux_layers], dim=-1)
         return out.logits[0].float(), aux.float()
+
+    def prefill(
+        self, prompt: Sequence[int], cache: Any, image_inputs: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A vision-language target's prompt with its image inputs (:data:`IMAGE_INPUTS`): ``(logits, aux,
+        positions)``, ``positions`` the prompt's ``[n, 3]`` M-RoPE positions (None for another target)."""
+        ids = torch.tensor([list(prompt)], device=self.model.device)
+        inputs = vision_inputs(self.model, ids, torch.ones_like(ids), image_inputs)
+        # passed as positions below, so that the forward never reads the rope_deltas an earlier prompt left cached
+        mrope = inputs.pop("position_ids", None)
+        positions = None if mrope is None else mrope[:, 0].T
+        logits, aux = self(prompt, cache, positions, **inputs)
+        return logits, aux, positions
+
+
+def following_positions(positions: torch.Tensor, n: int) -> torch.Tensor:
+    """The M-RoPE positions ``[n, 3]`` of ``n`` tokens generated after tokens at ``positions`` ``[m, 3]``: as
+    the model's own ``generate`` counts them, one past the largest position so far on all three rows, then one
+    more per token."""
+    return (int(positions.max()) + 1 + torch.arange(n, dtype=positions.dtype))[:, None].expand(n, 3)
 
 
 def speculative_generate(
@@ -203,24 +247,35 @@ def speculative_generate(
     k: int,
     max_new_tokens: int,
     eos_ids: Sequence[int],
+    image_inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[list[int], int]:
     """Greedy decoding of ``prompt`` verified chain by chain; ``(new tokens, target forwards)``.
 
     With ``proposer`` None it is plain greedy decoding (one token per forward). Stops after an eos token or
     ``max_new_tokens`` tokens; every forward counted emitted at least one of the new tokens (tau = tokens /
-    forwards >= 1).
+    forwards >= 1). ``image_inputs``: a vision-language target's prompt's (:meth:`TargetRunner.prefill`).
     """
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    logits, aux = runner(prompt, cache)
+    positions = None
+    if image_inputs is None:
+        logits, aux = runner(prompt, cache)
+    else:
+        logits, aux, positions = runner.prefill(prompt, cache, image_inputs)
     tokens = [*prompt, int(logits[-1].argmax())]
     forwards = 1
     eos = set(eos_ids)
     while len(tokens) - len(prompt) < max_new_tokens and tokens[-1] not in eos:
         left = max_new_tokens - (len(tokens) - len(prompt))
-        drafted = proposer.propose(tokens, aux, min(k, left - 1)) if proposer is not None and left > 1 else []
-        logits, new_aux = runner([tokens[-1], *drafted], cache)
+        # positions are passed for an M-RoPE target only, so a proposer or runner of a text target keeps its
+        # three-argument call
+        known = {} if positions is None else {"positions": _extended(positions, len(tokens))}
+        drafted = proposer.propose(tokens, aux, min(k, left - 1), **known) if proposer is not None and left > 1 else []
+        chain: dict[str, torch.Tensor] = {}  # the positions of [tokens[-1], *drafted]
+        if positions is not None:
+            chain["positions"] = _extended(positions, len(tokens) + len(drafted))[len(tokens) - 1 :]
+        logits, new_aux = runner([tokens[-1], *drafted], cache, **chain)
         forwards += 1
         choice = logits.argmax(-1).tolist()  # choice[i]: the target's token after tokens[-1], drafted[:i]
         m = 0
@@ -234,6 +289,11 @@ def speculative_generate(
         ends = [i for i, token in enumerate(emitted) if token in eos]
         tokens += emitted[: ends[0] + 1] if ends else emitted
     return tokens[len(prompt) :], forwards
+
+
+def _extended(positions: torch.Tensor, n: int) -> torch.Tensor:
+    """The positions of the first ``n`` tokens: the prompt's ``positions``, then the generated tokens'."""
+    return torch.cat([positions, following_positions(positions, n - len(positions))])[:n]
 
 
 def acceptance(correct: Sequence[torch.Tensor], mask: torch.Tensor) -> dict[str, Any]:
@@ -324,16 +384,49 @@ def teacher_forced(
 
 def eval_prompts(cache_dir: str, limit: int | None) -> list[list[int]]:
     """Prompts from a cache: each sample's tokens before its first generated token (samples without one skipped)."""
-    ds = Eagle3CacheDataset(cache_dir, keys=["input_ids", "loss_mask"])
+    return [prompt for prompt, _ in _prompt_samples(cache_dir, limit)]
+
+
+def _prompt_samples(cache_dir: str, limit: int | None, source_rows: bool = False) -> list[tuple[list[int], int]]:
+    """:func:`eval_prompts` with each prompt's ``source_row`` where asked (else -1)."""
+    ds = Eagle3CacheDataset(cache_dir, keys=["input_ids", "loss_mask", *(["source_row"] if source_rows else [])])
     prompts = []
     for i in range(len(ds)):
         sample = ds[i]
         first = torch.nonzero(sample["loss_mask"]).flatten()
         if len(first) and int(first[0]) > 0:
-            prompts.append(sample["input_ids"][: int(first[0])].tolist())
+            prompts.append(
+                (sample["input_ids"][: int(first[0])].tolist(), int(sample["source_row"]) if source_rows else -1)
+            )
         if limit is not None and len(prompts) >= limit:
             break
     return prompts
+
+
+def image_prompts(
+    cache_dir: str, limit: int | None, model_dir: str
+) -> tuple[list[list[int]], list[dict[str, torch.Tensor]]]:
+    """A vision-language target's prompts from its cache (as :func:`eval_prompts`) and each one's image inputs:
+    the images of its source row (reread from the cache's data, as precompute read them), as many as the
+    prompt holds, made into pixels by the target's processor set as the cache records (``config.vision``), as
+    the processor gives them for a batch of one.
+
+    Raises:
+        DataError: the processor differs from the cache's, or an image is gone or changed.
+    """
+    config = Manifest.read(cache_dir).config
+    vision = config["vision"]
+    processor = recorded_processor(model_dir, vision, cache_dir)
+    token = image_token_id(processor)
+    prompts, inputs = [], []
+    for prompt, source_row in _prompt_samples(cache_dir, limit, source_rows=True):
+        where = f"{config['data']}:{source_row + 1}"
+        images = row_images(config["data"], config.get("data_split"), source_row, vision["image_root"])
+        prompts.append(prompt)
+        made = processor_inputs(processor, prompt, images[: image_count(prompt, token)], where)
+        # a batch of one, as the processor gives a prompt's: its per-token modality ids as [1, T]
+        inputs.append({k: v[None] if k in MODALITY_KEYS else v for k, v in made.items()})
+    return prompts, inputs
 
 
 def speculative(
@@ -344,11 +437,14 @@ def speculative(
     max_new_tokens: int,
     eos_ids: Sequence[int],
     progress: bool = False,
+    images: Sequence[Mapping[str, torch.Tensor]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """tau, seconds and speed-up of each proposer against plain greedy decoding, and whether outputs agree.
 
-    ``progress``: a bar on stderr over every method's prompts, with the method and its tokens/s.
+    ``progress``: a bar on stderr over every method's prompts, with the method and its tokens/s. ``images``: a
+    vision-language target's image inputs of each prompt (:func:`image_prompts`).
     """
+    given = list(images) if images is not None else [None] * len(prompts)
     from tqdm import tqdm
 
     runs: dict[str, dict[str, Any]] = {}
@@ -358,7 +454,7 @@ def speculative(
     # Each method warms up on its own: a proposer adds forwards of its own (the draft's, verifying chains).
     methods: dict[str, Proposer | None] = {"greedy": None, **proposers}
     for proposer in methods.values() if prompts else ():
-        speculative_generate(runner, prompts[0], proposer, k, max_new_tokens, eos_ids)
+        speculative_generate(runner, prompts[0], proposer, k, max_new_tokens, eos_ids, given[0])
     bar = tqdm(
         total=len(methods) * len(prompts), unit="prompt", desc="evaluate", disable=not progress, dynamic_ncols=True
     )
@@ -367,7 +463,7 @@ def speculative(
         identical = True
         started = time.perf_counter()
         for i, prompt in enumerate(prompts):
-            new, n = speculative_generate(runner, prompt, proposer, k, max_new_tokens, eos_ids)
+            new, n = speculative_generate(runner, prompt, proposer, k, max_new_tokens, eos_ids, given[i])
             if proposer is None:
                 greedy.append(new)
             identical &= new == greedy[i]
