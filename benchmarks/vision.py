@@ -24,6 +24,12 @@ from typing import Any
 
 from harness import Report, bench_args, start, write_report  # benchmarks/, beside this script
 
+CASES = {  # the rows and the flags of each case
+    "text": [],
+    "image rows": [],
+    "image rows, --no-vision-inputs": ["--no-vision-inputs"],
+}
+
 QUESTIONS = [
     ("What is in the picture?", "A red square on a blue ground, crossed by a dark line."),
     ("Describe the colours.", "The ground is blue, the square red and the line almost black."),
@@ -54,13 +60,13 @@ def write_rows(folder: str, rows: int, images: bool) -> str:
     return path
 
 
-def run_case(model: str, data: str, out: str, rounds: int) -> tuple[float, dict[str, Any]]:
+def run_case(model: str, data: str, out: str, rounds: int, *flags: str) -> tuple[float, dict[str, Any]]:
     """The median wall seconds of ``rounds`` precompute runs, and the last run's ``inspect`` description."""
     from speccache.cli import main
     from speccache.read.verify import inspect_cache
 
     argv = ["precompute", "--model", model, "--data", data, "--out", out, "--dtype", "bf16", "--model-dtype", "fp32"]
-    argv += ["--batch-size", "8", "--device", "cpu", "--quiet"]
+    argv += ["--batch-size", "8", "--device", "cpu", "--quiet", *flags]
     seconds = []
     for _ in range(rounds):
         shutil.rmtree(out, ignore_errors=True)
@@ -78,27 +84,25 @@ def bench_vision(report: Report, work: str, rows: int, rounds: int) -> None:
     report.add("## Vision-language targets: image rows against text rows (benchmarks/vision.py)")
     report.add()
     data = {kind: write_rows(os.path.join(work, f"vision-{kind}"), rows, kind == "image") for kind in ("image", "text")}
-    table = []
     keys: list[str] = []
     measured: dict[tuple[str, str], tuple[float, dict[str, Any]]] = {}
     for family in ("qwen2_5_vl", "qwen3_vl"):
         model = ensure_vlm_target(family, ensure_real_target())
-        for kind in ("text", "image"):
-            seconds, info = run_case(model, data[kind], os.path.join(work, f"vision-{family}-{kind}-cache"), rounds)
-            measured[family, kind] = seconds, info
-            keys += [k for k in info["keys"] if k not in keys]
-    for (family, kind), (seconds, info) in measured.items():
+        for number, (case, flags) in enumerate(CASES.items()):
+            source = data["text" if case == "text" else "image"]
+            out = os.path.join(work, f"vision-{family}-{number}-cache")
+            measured[family, case] = run_case(model, source, out, rounds, *flags)
+            keys += [k for k in measured[family, case][1]["keys"] if k not in keys and k != "source_row"]
+    table = []
+    for (family, case), (seconds, info) in measured.items():
         tokens = info["num_tokens"]
-        per_key = [
-            f"{info['keys'][k]['bytes'] / tokens:.1f}" if k in info["keys"] else "-" for k in keys if k != "source_row"
-        ]
-        table.append(
-            [family, f"{kind} rows", tokens, f"{info['bytes_per_token']:.1f}", *per_key, f"{tokens / seconds:.0f}"]
-        )
-    header = ["target", "rows", "tokens", "bytes/token", *(f"{k} B/token" for k in keys if k != "source_row")]
+        per_key = [f"{info['keys'][k]['bytes'] / tokens:.1f}" if k in info["keys"] else "-" for k in keys]
+        rates = [f"{info['num_samples'] / seconds:.1f}", f"{tokens / seconds:.0f}"]
+        table.append([family, case, tokens, f"{info['bytes_per_token']:.1f}", *per_key, *rates])
+    header = ["target", "rows", "tokens", "bytes/token", *(f"{k} B/token" for k in keys)]
     report.table([*header, "precompute rows/s", "tokens/s"], table)
     for family in ("qwen2_5_vl", "qwen3_vl"):
-        (text_s, text), (image_s, image) = measured[family, "text"], measured[family, "image"]
+        (text_s, text), (image_s, image) = measured[family, "text"], measured[family, "image rows"]
         speed = (image["num_tokens"] / image_s) / (text["num_tokens"] / text_s)
         size = image["bytes_per_token"] / text["bytes_per_token"]
         report.target(
