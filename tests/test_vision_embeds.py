@@ -18,9 +18,10 @@ from speccache.cli import main
 from speccache.data import load_processor
 from speccache.demo.real_target import ensure_real_target
 from speccache.format import load_manifest_json, manifest_path, shard_path
-from speccache.testing.vlm import FAMILIES, draw_image, ensure_vlm_target
+from speccache.testing.vlm import FAMILIES, ensure_vlm_target
 from support.cachecmp import all_samples
 from support.faults import crash_after_one_shard
+from support.vision import rendered, write_image_data
 
 FLAGS = ["--aux-layers", "0,1,2", "--dtype", "fp32", "--model-dtype", "fp32", "--batch-size", "2", "--shard-size", "2"]
 RUN = ["--device", "cpu", "--quiet"]
@@ -33,23 +34,7 @@ ROWS = [  # (images, question, answer): a batch of an image row with a text row,
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("embeds-data")
-    draw_image(str(root / "a.png"), 56, 84, seed=0)
-    draw_image(str(root / "b.png"), 64, 40, seed=1)
-    rows = [
-        {
-            "messages": [
-                {
-                    "role": "user",
-                    "content": [*({"type": "image", "path": i} for i in images), {"type": "text", "text": q}],
-                },
-                {"role": "assistant", "content": a},
-            ]
-        }
-        for images, q, a in ROWS
-    ]
-    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return root
+    return write_image_data(tmp_path_factory.mktemp("embeds-data"), ROWS)
 
 
 def _precompute(model: str, data: Path, out: str, *extra: str) -> int:
@@ -74,20 +59,10 @@ def _merged_embeddings(model_dir: str, data: Path, index: int) -> tuple[torch.Te
     """Row ``index``'s ids, the ``inputs_embeds`` the target's language model receives in a live forward of the
     whole ``ForConditionalGeneration`` on the processor's own outputs, its images' features as the model's own
     ``get_image_features`` computes them (one row per image token, in order), and the model's image token id."""
-    from PIL import Image
     from transformers import AutoModelForImageTextToText
 
-    images, question, answer = ROWS[index]
-    messages = [
-        {
-            "role": "user",
-            "content": [
-                *({"type": "image", "image": Image.open(data / name)} for name in images),
-                {"type": "text", "text": question},
-            ],
-        },
-        {"role": "assistant", "content": [{"type": "text", "text": answer}]},
-    ]
+    images = ROWS[index][0]
+    messages = rendered(data, ROWS[index])
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     inputs = load_processor(model_dir).apply_chat_template(
         messages, tokenize=True, return_dict=True, return_tensors="pt"

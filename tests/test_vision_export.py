@@ -5,7 +5,6 @@ trainers have no vision-language path refuse it, naming why and what to use."""
 from __future__ import annotations
 
 import importlib.util
-import json
 
 import pytest
 import torch
@@ -16,7 +15,8 @@ from speccache.compat.speculators import speculators_hs_path
 from speccache.demo.real_target import ensure_real_target
 from speccache.format import load_manifest_json, manifest_path
 from speccache.methods.layers import LayerFeatureDataset
-from speccache.testing.vlm import draw_image, ensure_vlm_target
+from speccache.testing.vlm import ensure_vlm_target
+from support.vision import write_image_data
 
 pytestmark = pytest.mark.usefixtures("offline_single_thread")
 
@@ -28,21 +28,8 @@ FLAGS = ["--dtype", "fp32", "--model-dtype", "fp32", "--batch-size", "2", "--sha
 def vlm_caches(offline_single_thread, tmp_path_factory) -> dict[str, str]:
     """A Qwen2.5-VL target's layers cache (aux layers and the last one before the norm) and EAGLE-3 cache of three
     rows, two with images."""
-    root = tmp_path_factory.mktemp("vision-export")
-    draw_image(str(root / "a.png"), 56, 84, seed=0)
-    draw_image(str(root / "b.png"), 64, 40, seed=1)
-
-    def row(images: list[str], question: str, answer: str) -> dict:
-        parts = [{"type": "image_url", "image_url": {"url": name}} for name in images]
-        user = {"role": "user", "content": [*parts, {"type": "text", "text": question}]}
-        return {"messages": [user, {"role": "assistant", "content": [{"type": "text", "text": answer}]}]}
-
-    rows = [
-        row(["a.png"], "What is red?", "A square."),
-        row([], "Hello.", "Hi."),
-        row(["a.png", "b.png"], "Two?", "Yes."),
-    ]
-    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    rows = [(["a.png"], "What is red?", "A square."), ([], "Hello.", "Hi."), (["a.png", "b.png"], "Two?", "Yes.")]
+    root = write_image_data(tmp_path_factory.mktemp("vision-export"), rows)
     model = ensure_vlm_target("qwen2_5_vl", ensure_real_target())
     argv = ["precompute", "--model", model, "--data", str(root / "data.jsonl"), *FLAGS, "--quiet"]
     out = {"layers": str(root / "layers"), "eagle3": str(root / "eagle3")}

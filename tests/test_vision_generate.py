@@ -18,7 +18,7 @@ from speccache.data import load_processor
 from speccache.demo.real_target import ensure_real_target
 from speccache.errors import UsageError
 from speccache.regenerate import RegenerateConfig, regenerate
-from speccache.testing.vlm import draw_image, ensure_vlm_target
+from speccache.testing.vlm import ensure_vlm_target
 from speccache.train.draft import load_draft
 from speccache.train.evaluate import (
     DraftProposer,
@@ -30,6 +30,7 @@ from speccache.train.evaluate import (
     speculative_generate,
 )
 from support.cachecmp import all_samples
+from support.vision import chat_row, write_image_data
 
 # the M-RoPE families (their positions are what decoding can get wrong) and Gemma 3 (its image tokens attend both ways)
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "gemma3")
@@ -37,30 +38,16 @@ AUX = ["--aux-layers", "0,1,2", "--dtype", "fp32", "--model-dtype", "fp32", "--d
 NEW = 12  # tokens decoded per prompt
 
 
-def _row(images: list[str], question: str, answer: str) -> dict:
-    parts = [{"type": "image_url", "image_url": {"url": name}} for name in images]
-    return {
-        "messages": [
-            {"role": "user", "content": [*parts, {"type": "text", "text": question}]},
-            {"role": "assistant", "content": [{"type": "text", "text": answer}]},
-        ]
-    }
-
-
 ROWS = [
-    _row(["a.png"], "What is red?", "A square."),
-    _row([], "Tell me a story.", "Once upon a time."),
-    _row(["a.png", "b.png"], "Compare them.", "Two pictures."),
+    (["a.png"], "What is red?", "A square."),
+    ([], "Tell me a story.", "Once upon a time."),
+    (["a.png", "b.png"], "Compare them.", "Two pictures."),
 ]
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("vision-generate")
-    draw_image(str(root / "a.png"), 56, 84, seed=0)
-    draw_image(str(root / "b.png"), 64, 40, seed=1)
-    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS), encoding="utf-8")
-    return root
+    return write_image_data(tmp_path_factory.mktemp("vision-generate"), ROWS)
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +166,7 @@ def test_regenerate_answers_image_rows_as_generate_does_and_the_rows_precompute(
     assert main([*argv, "--max-new-tokens", str(NEW), "--batch-size", "3", "--device", "cpu", "--quiet"]) == 0
     rows = _parts(out)
     model, processor = _model(t["model"]), load_processor(t["model"])
-    for given, row in zip(ROWS, rows):
+    for given, row in zip([chat_row(*r) for r in ROWS], rows):
         assert row["messages"][0] == given["messages"][0]  # the user turn as given: its image parts and paths
         parts = given["messages"][0]["content"]
         user = [
@@ -279,8 +266,8 @@ def test_regenerate_a_later_turns_image_joins_the_prompt(targets, data, tmp_path
         return [(answer, True) for _ in prompts]
 
     monkeypatch.setattr(module, "generate_batch", answering)
-    row = _row(["a.png"], "What is red?", "A square.")
-    row["messages"] += _row(["b.png"], "And this?", "A line.")["messages"]
+    row = chat_row(["a.png"], "What is red?", "A square.")
+    row["messages"] += chat_row(["b.png"], "And this?", "A line.")["messages"]
     (tmp_path / "two.jsonl").write_text(json.dumps(row) + "\n")
     argv = ["regenerate", "--model", t["model"], "--data", str(tmp_path / "two.jsonl"), "--out", str(tmp_path / "r")]
     assert main([*argv, "--image-root", str(data), "--device", "cpu", "--quiet"]) == 0

@@ -22,6 +22,7 @@ from speccache.format import load_manifest_json, manifest_path, shard_path
 from speccache.testing.vlm import FAMILIES, draw_image, ensure_vlm_target
 from support.cachecmp import all_samples, file_tree, max_relative_error
 from support.faults import crash_after_one_shard
+from support.vision import rendered, write_image_data
 
 AUX = (0, 1, 2)  # the tiny targets have 4 decoder layers; layer 3's output is the last hidden state (pre-norm)
 FLAGS = ["--aux-layers", ",".join(map(str, AUX)), "--dtype", "fp32", "--model-dtype", "fp32"]
@@ -38,35 +39,12 @@ ROWS = [  # (images, question, answer); batches of two: an image row with a text
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     """The :data:`ROWS`: images by path, and one the row holds (a data URI)."""
-    root = tmp_path_factory.mktemp("vision-data")
-    draw_image(str(root / "a.png"), 56, 84, seed=0)
-    draw_image(str(root / "b.png"), 64, 40, seed=1)
-    uri = "data:image/png;base64," + base64.b64encode((root / "b.png").read_bytes()).decode()
-
-    def row(images: list[str], question: str, answer: str) -> dict:
-        parts = [{"type": "image_url", "image_url": {"url": uri if " " in i else i}} for i in images]
-        return {
-            "messages": [
-                {"role": "user", "content": [*parts, {"type": "text", "text": question}]},
-                {"role": "assistant", "content": [{"type": "text", "text": answer}]},
-            ]
-        }
-
-    rows = [row(*r) for r in ROWS]
-    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return root
+    return write_image_data(tmp_path_factory.mktemp("vision-data"), ROWS)
 
 
 def _messages(root: Path, index: int) -> list[dict]:
-    """Row ``index`` of :func:`data` as transformers messages with PIL images (what the processor renders)."""
-    from PIL import Image
-
-    images, question, answer = ROWS[index]
-    parts = [{"type": "image", "image": Image.open(root / name.split()[0])} for name in images]
-    return [
-        {"role": "user", "content": [*parts, {"type": "text", "text": question}]},
-        {"role": "assistant", "content": [{"type": "text", "text": answer}]},
-    ]
+    """Row ``index`` of :func:`data` as the processor renders it."""
+    return rendered(root, ROWS[index])
 
 
 @pytest.fixture(scope="module")

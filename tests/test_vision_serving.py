@@ -23,7 +23,6 @@ vLLM's Qwen-VL modules mirror:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -33,9 +32,10 @@ from speccache.cli import main
 from speccache.data import load_processor
 from speccache.demo.real_target import ensure_real_target
 from speccache.methods.eagle3 import TargetHead, build_eagle3_dataloader, draft_view
-from speccache.testing.vlm import draw_image, ensure_vlm_target
+from speccache.testing.vlm import ensure_vlm_target
 from speccache.train.inputs import slot_inputs
 from speccache.train.trainer import draft_for_cache
+from support.vision import rendered, write_image_data
 
 pytestmark = pytest.mark.usefixtures("offline_single_thread")
 
@@ -44,28 +44,9 @@ FLAGS = ["--aux-layers", "0,1,2", "--dtype", "fp32", "--model-dtype", "fp32", "-
 ROWS = [(["a.png", "b.png"], "Compare them.", "Two pictures."), ([], "Say hello.", "Hello.")]
 
 
-def _messages(root: Path, images: list[str], question: str, answer: str, form: str) -> list[dict]:
-    """A row as the data file holds it (``form="file"``) or as the processor renders it (``"pil"``)."""
-    from PIL import Image
-
-    if form == "file":
-        parts = [{"type": "image_url", "image_url": {"url": name}} for name in images]
-    else:
-        parts = [{"type": "image", "image": Image.open(root / name)} for name in images]
-    return [
-        {"role": "user", "content": [*parts, {"type": "text", "text": question}]},
-        {"role": "assistant", "content": [{"type": "text", "text": answer}]},
-    ]
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("vision-serving")
-    draw_image(str(root / "a.png"), 56, 84, seed=0)
-    draw_image(str(root / "b.png"), 70, 42, seed=1)
-    lines = [json.dumps({"messages": _messages(root, *row, form="file")}) for row in ROWS]
-    (root / "data.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return root
+    return write_image_data(tmp_path_factory.mktemp("vision-serving"), ROWS)
 
 
 def _vllm_first_pass(model, processor, messages: list[dict], embed: torch.nn.Embedding) -> dict[str, torch.Tensor]:
@@ -127,7 +108,7 @@ def test_the_trainers_slot_inputs_are_what_vllms_proposer_feeds_the_draft(family
         with torch.no_grad():
             embeds = draft.embed_tokens(view["input_ids"].long()) if embeds is None else embeds
         for b, row in enumerate(ROWS):
-            want = _vllm_first_pass(model, processor, _messages(data, *row, form="pil"), draft.embed_tokens)
+            want = _vllm_first_pass(model, processor, rendered(data, row), draft.embed_tokens)
             n = len(want["input_ids"])
             assert torch.equal(view["input_ids"][b, :n].long(), want["input_ids"])
             assert positions is not None and torch.equal(positions[b, :n].long(), want["positions"])

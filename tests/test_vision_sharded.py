@@ -18,9 +18,10 @@ from speccache.cli import main
 from speccache.demo.real_target import ensure_real_target
 from speccache.engines.hf import HfEngine
 from speccache.errors import UsageError
-from speccache.testing.vlm import FAMILIES, draw_image, ensure_vlm_target
+from speccache.testing.vlm import FAMILIES, ensure_vlm_target
 from support.cachecmp import max_relative_error
 from support.ranks import launch, rank_env
+from support.vision import write_image_data
 
 pytestmark = [pytest.mark.torchrun, pytest.mark.timeout(600)]
 
@@ -42,15 +43,7 @@ TP_FAMILIES = ("qwen2_5_vl", "gemma3")  # LLaVA runs the same Llama plan; Qwen3-
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("vision-data")
-    draw_image(str(root / "a.png"), 56, 84, seed=0)
-    draw_image(str(root / "b.png"), 64, 40, seed=1)
-    with open(root / "data.jsonl", "w", encoding="utf-8") as f:
-        for images, question, answer in ROWS:
-            parts = [{"type": "image_url", "image_url": {"url": name}} for name in images]
-            user = {"role": "user", "content": [*parts, {"type": "text", "text": question}]}
-            f.write(json.dumps({"messages": [user, {"role": "assistant", "content": answer}]}) + "\n")
-    return root / "data.jsonl"
+    return write_image_data(tmp_path_factory.mktemp("vision-data"), ROWS) / "data.jsonl"
 
 
 @pytest.fixture(scope="module")

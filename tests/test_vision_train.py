@@ -22,10 +22,11 @@ from speccache.errors import UsageError
 from speccache.format import FORMAT_VERSION
 from speccache.methods.eagle3 import Eagle3CacheDataset, TargetHead, build_eagle3_dataloader, draft_view
 from speccache.offline_cache import CachedTensorDataset
-from speccache.testing.vlm import draw_image, ensure_vlm_target
+from speccache.testing.vlm import ensure_vlm_target
 from speccache.train.draft import DraftConfig, Eagle3Draft, load_draft
 from speccache.train.trainer import draft_for_cache, make_optimizer, train_steps
 from support.cachecmp import all_samples
+from support.vision import write_image_data
 
 pytestmark = pytest.mark.usefixtures("offline_single_thread")
 
@@ -43,21 +44,7 @@ TRAIN = ["--batch-size", "2", "--ttt-steps", "2", "--device", "cpu", "--seed", "
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("vision-train-data")
-    draw_image(str(root / "a.png"), 56, 84, seed=0)
-    draw_image(str(root / "b.png"), 64, 40, seed=1)
-
-    def row(images: list[str], question: str, answer: str) -> dict:
-        parts = [{"type": "image_url", "image_url": {"url": i}} for i in images]
-        return {
-            "messages": [
-                {"role": "user", "content": [*parts, {"type": "text", "text": question}]},
-                {"role": "assistant", "content": [{"type": "text", "text": answer}]},
-            ]
-        }
-
-    (root / "data.jsonl").write_text("".join(json.dumps(row(*r)) + "\n" for r in ROWS), encoding="utf-8")
-    return root
+    return write_image_data(tmp_path_factory.mktemp("vision-train-data"), ROWS)
 
 
 @pytest.fixture(scope="module")
