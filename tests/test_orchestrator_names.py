@@ -23,7 +23,7 @@ from speccache.methods.registry import METHODS
 PRECOMPUTE = Path(__file__).resolve().parents[1] / "src" / "speccache" / "precompute"
 ORCHESTRATOR = ("run.py", "report.py", "_tokens.py", "command.py", "config.py")
 
-GENERIC_SETTINGS = {"model", "method", "encodings"}
+GENERIC_SETTINGS = {"model", "method", "encodings", "no_vision_inputs"}
 """The settings of :class:`MethodSettings` that every method reads: not a method's own."""
 
 
